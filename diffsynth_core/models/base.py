@@ -1,0 +1,61 @@
+"""The one interface every model family implements.
+
+A family is a module (``qwen_image.py``, ``flux.py``, ``wan.py``) that builds a frozen
+:class:`FamilySpec`.  Engines (preprocess, training, offload, LoRA) only ever talk to a
+family through this spec, so no code outside ``models/`` branches on the family name.
+
+Tensor conventions shared by every family (batch size 1 inside the cache):
+
+* ``encode_prompt`` returns the prompt-side cache entries, e.g. ``{"prompt_embeds": (L, D)}``
+  without the batch dimension.
+* ``encode_pixels`` takes pixels ``(C, F, H, W)`` in ``[-1, 1]`` (``F == 1`` for images) and
+  returns ``{"latents": ...}`` already normalised the family's way, without the batch dim.
+* ``dit_forward`` takes batched, un-packed latents ``(B, C, [F,] h, w)`` and sigmas ``(B,)`` in
+  ``[0, 1]`` plus the batched prompt-side tensors, and returns the flow-matching velocity
+  prediction in the latents' layout (packing/unpacking and timestep scaling are its job).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+# A loaded model folder: component name -> object ("transformer", "vae", "text_encoder",
+# "tokenizer", ...).  Plain dict so families can hold whatever their pipeline needs.
+Components = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    name: str
+    # Components that only stage 1 needs (no gradients) and the one stage 2 trains.
+    encoder_components: tuple[str, ...]
+    transformer_component: str
+    # Attribute names of the DiT's nn.ModuleLists of blocks (offload and checkpointing read these).
+    block_container_names: tuple[str, ...]
+    # Default LoRA targets, matched as module-name suffixes.
+    lora_target_modules: tuple[str, ...]
+    # Video families need 4k+1 frames; image families use 1.
+    frame_multiple: int
+    # --- behaviour -------------------------------------------------------------------------
+    # load_components(path, names, dtype, device) -> Components
+    load_components: Callable[[Path, tuple[str, ...], torch.dtype, str], Components]
+    # load_transformer_file(file, config_dir, dtype) -> nn.Module : a single .safetensors DiT
+    load_transformer_file: Callable[[Path, Path, torch.dtype], torch.nn.Module]
+    # encode_prompt(components, prompt, device) -> dict[str, Tensor]
+    encode_prompt: Callable[[Components, str, str], dict[str, torch.Tensor]]
+    # encode_pixels(components, pixels, device) -> {"latents": Tensor}
+    encode_pixels: Callable[[Components, torch.Tensor, str], dict[str, torch.Tensor]]
+    # dit_forward(transformer, latents, sigmas, cond) -> prediction in the latents' layout
+    dit_forward: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor]
+    # export_lora(peft_state_dict, lora_config, out_dir) -> {"diffusers": path, "comfyui": path}
+    export_lora: Callable[[dict[str, torch.Tensor], dict[str, Any], Path], dict[str, Path]]
+    # save_tiny_model(out_dir, seed) -> out_dir : a tiny random model in the diffusers layout
+    save_tiny_model: Callable[[Path, int], Path]
+    # Name of the diffusers pipeline class that loads the folder (validation, reload tests).
+    pipeline_class_name: str
+    # Extra, family-specific notes (e.g. default guidance); never read by engines.
+    extras: Mapping[str, Any] = field(default_factory=dict)
