@@ -1,0 +1,118 @@
+"""Apply the training techniques to a DiT, in one documented order.
+
+``prepare_for_training`` runs, in this order:
+
+1. fuse a preset LoRA into the base weights (it must see the plain base Linear layers);
+2. choose what trains: a fresh LoRA adapter (peft) or whole components (full fine-tuning);
+3. gradient checkpointing per block (it wraps the blocks that LoRA has already modified);
+4. device placement: the offload engine streams frozen weights from host memory, or the
+   whole model moves to the device (the engine must see the final module tree and know
+   which parameters train, so it comes after 2 and 3);
+5. the optimizer over the trainable parameters, built last so it holds the parameter
+   objects that will actually receive gradients (on the CPU under optimizer offload).
+
+Options come from ``train`` and ``offload`` sections (any objects with the attributes of
+``stages.config.TrainSection`` / ``OffloadSection``); the core never imports the config module.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..models.base import FamilySpec
+from .lora import fuse_lora_file, inject_lora
+
+
+@dataclass
+class Prepared:
+    model: nn.Module
+    trainable: dict[str, nn.Parameter]   # parameter name -> parameter, stable order
+    lora_config: dict[str, Any] | None   # None for full fine-tuning
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    offload: Any | None                  # OffloadTrainingManager when streaming weights
+
+
+def build_optimizer(class_path: str, params, learning_rate: float, weight_decay: float) -> torch.optim.Optimizer:
+    """Instantiate ``module.Class`` (default torch.optim.AdamW) over ``params``."""
+    module_name, _, class_name = class_path.rpartition(".")
+    try:
+        optimizer_class = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ValueError(f"train.optimizer: cannot import {class_path!r} ({err})") from None
+    return optimizer_class(params, lr=learning_rate, weight_decay=weight_decay)
+
+
+def constant_with_warmup(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Constant LR after an explicit linear warm-up (none by default, unlike the reference's 1/3 start)."""
+    def factor(step: int) -> float:
+        return 1.0 if warmup_steps <= 0 else min(1.0, (step + 1) / warmup_steps)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _choose_trainable(model: nn.Module, spec: FamilySpec, train) -> dict[str, Any] | None:
+    full_finetune = spec.transformer_component in train.trainable_models
+    if full_finetune and train.lora_rank > 0:
+        raise ValueError("train.trainable_models includes the transformer and train.lora_rank > 0: "
+                         "choose LoRA (lora_rank > 0) or full fine-tuning (lora_rank = 0), not both")
+    unknown = set(train.trainable_models) - {spec.transformer_component}
+    if unknown:
+        raise ValueError(f"train.trainable_models: {sorted(unknown)} cannot be trained from the cache; "
+                         f"stage 2 holds only {spec.transformer_component!r}")
+    if full_finetune:
+        model.requires_grad_(True)
+        return None
+    if train.lora_rank <= 0:
+        raise ValueError("nothing to train: set train.lora_rank > 0 or train.trainable_models = ['transformer']")
+    targets = train.lora_target_modules or list(spec.lora_target_modules)
+    return inject_lora(model, targets, train.lora_rank, train.lora_alpha, train.lora_init)
+
+
+def _enable_checkpointing(model: nn.Module, spec: FamilySpec, train) -> None:
+    if not train.gradient_checkpointing:
+        return
+    try:
+        from ..gradient import apply_gradient_checkpointing
+    except ImportError:  # engine not available: fall back to diffusers' own per-block wrapper
+        model.enable_gradient_checkpointing()
+        return
+    apply_gradient_checkpointing(model, spec.block_container_names,
+                                 offload_activations=train.gradient_checkpointing_offload)
+
+
+def _place(model: nn.Module, spec: FamilySpec, offload, device: torch.device):
+    if not offload.enable_model_cpu_offload:
+        model.to(device)
+        return None
+    from ..offload import OffloadTrainingManager
+
+    return OffloadTrainingManager(
+        model, device,
+        enable_optimizer_cpu_offload=offload.enable_optimizer_cpu_offload,
+        cpu_offload_split_threshold=offload.cpu_offload_split_threshold,
+        block_container_names=spec.block_container_names,
+        granularity=offload.granularity,
+        prefetch=offload.prefetch,
+        vram_budget_gb=offload.vram_budget_gb,
+        storage_dtype=getattr(torch, offload.storage_dtype) if offload.storage_dtype else None,
+    )
+
+
+def prepare_for_training(model: nn.Module, spec: FamilySpec, train, offload, device: torch.device) -> Prepared:
+    if train.preset_lora_path:
+        fuse_lora_file(model, train.preset_lora_path)
+    torch.manual_seed(train.seed)  # LoRA initialisation is part of the run's reproducibility
+    lora_config = _choose_trainable(model, spec, train)
+    _enable_checkpointing(model, spec, train)
+    manager = _place(model, spec, offload, device)
+    model.train()
+    trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    optimizer = build_optimizer(train.optimizer, list(trainable.values()), train.learning_rate, train.weight_decay)
+    scheduler = constant_with_warmup(optimizer, train.warmup_steps)
+    return Prepared(model, trainable, lora_config, optimizer, scheduler, manager)

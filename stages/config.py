@@ -1,0 +1,260 @@
+"""`RunConfig`: the one typed configuration every stage, flow and CLI verb receives.
+
+Sections hold plain values only (no devices, modules or open stores); live objects are built
+from them at run time.  Loads from TOML or YAML, takes ``--set section.key=value`` overrides
+and DiffSynth-Studio flag names, and is saved beside every output as ``config.toml``.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli_w
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config file, key or value is wrong; the message names the dotted key."""
+
+
+class _Section(BaseModel):
+    # Unknown keys are errors: a typo must never be silently ignored.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DatasetSection(_Section):
+    base_path: str = ""
+    metadata_path: str = ""
+    data_file_keys: list[str] = ["image", "video"]
+    repeat: int = Field(1, ge=1)
+    max_pixels: int = Field(1024 * 1024, gt=0)
+    height: int | None = None
+    width: int | None = None
+    num_frames: int = Field(1, ge=1)
+    skip_bad_samples: bool = False
+
+    @model_validator(mode="after")
+    def _fixed_size_is_aligned(self):
+        for name in ("height", "width"):
+            value = getattr(self, name)
+            if value is not None and (value <= 0 or value % 16):
+                raise ValueError(f"dataset.{name} must be a positive multiple of 16, got {value}")
+        return self
+
+
+class ModelSection(_Section):
+    family: str = "qwen_image"
+    path: str = ""                       # model folder in the diffusers layout
+    transformer_file: str | None = None  # optional single .safetensors DiT replacing path/transformer
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+
+
+class CacheSection(_Section):
+    url: str = ""  # empty: <output.path>/cache.<backend>
+    backend: Literal["zarr", "pth"] = "zarr"
+    storage_options: dict[str, Any] = {}
+    allow_partial: bool = False
+
+
+class PreprocessSection(_Section):
+    parts: int = Field(1, ge=1)
+    retries: int = Field(2, ge=0)
+    device: str = "auto"
+    max_sequence_length: int | None = None
+    commit_every: int = Field(16, ge=1)
+    offload_encoders: bool = True  # stream encoder weights when running on a GPU
+
+
+class TrainSection(_Section):
+    learning_rate: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    optimizer: str = "torch.optim.AdamW"
+    max_steps: int | None = Field(None, ge=1)
+    num_epochs: int = Field(1, ge=1)
+    save_steps: int = Field(0, ge=0)  # 0: checkpoint only at the end
+    keep_checkpoints: int = Field(3, ge=1)
+    seed: int = 0
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    lora_rank: int = Field(16, ge=0)  # 0 together with trainable_models: full fine-tuning
+    lora_alpha: float | None = None   # None: equal to the rank (scale 1)
+    lora_target_modules: list[str] | None = None  # None: the family's defaults
+    lora_init: Literal["gaussian", "default", "pissa", "olora"] = "gaussian"
+    preset_lora_path: str | None = None
+    trainable_models: list[str] = []
+    gradient_checkpointing: bool = True
+    gradient_checkpointing_offload: bool = False
+    timestep_sampling: Literal["uniform", "logit_normal", "shift", "resolution_shift"] = "uniform"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    shift: float = Field(3.0, gt=0)
+    loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = "none"
+    device: str = "auto"
+    retries: int = Field(1, ge=0)
+    tensorboard: bool = False
+    validation_prompts: list[str] = []
+    validation_steps: int = Field(0, ge=0)
+
+
+class OffloadSection(_Section):
+    enable_model_cpu_offload: bool = False
+    enable_optimizer_cpu_offload: bool = False
+    cpu_offload_split_threshold: int | None = None
+    vram_budget_gb: float = Field(0.0, ge=0)
+    prefetch: int = Field(1, ge=0)
+    granularity: Literal["block", "leaf"] = "block"
+    storage_dtype: str | None = None
+
+
+class OutputSection(_Section):
+    path: str = "./splitflow-out"
+
+
+class RunConfig(_Section):
+    dataset: DatasetSection = DatasetSection()
+    model: ModelSection = ModelSection()
+    cache: CacheSection = CacheSection()
+    preprocess: PreprocessSection = PreprocessSection()
+    train: TrainSection = TrainSection()
+    offload: OffloadSection = OffloadSection()
+    output: OutputSection = OutputSection()
+
+    # -- derived paths ------------------------------------------------------------------------
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.output.path)
+
+    @property
+    def cache_url(self) -> str:
+        if self.cache.url:
+            return self.cache.url
+        return str(self.output_dir / f"cache.{self.cache.backend}")
+
+    # -- (de)serialisation --------------------------------------------------------------------
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.model_dump(mode="json", exclude_none=True))
+
+    def save(self, path: Path | str) -> Path:
+        """Write the resolved config atomically (temp file + rename)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.to_toml())
+        tmp.replace(path)
+        return path
+
+
+# DiffSynth-Studio flag name -> dotted RunConfig key, so users can bring their scripts.
+DIFFSYNTH_FLAGS: dict[str, str] = {
+    "dataset_base_path": "dataset.base_path",
+    "dataset_metadata_path": "dataset.metadata_path",
+    "dataset_repeat": "dataset.repeat",
+    "data_file_keys": "dataset.data_file_keys",
+    "max_pixels": "dataset.max_pixels",
+    "height": "dataset.height",
+    "width": "dataset.width",
+    "num_frames": "dataset.num_frames",
+    "learning_rate": "train.learning_rate",
+    "weight_decay": "train.weight_decay",
+    "num_epochs": "train.num_epochs",
+    "save_steps": "train.save_steps",
+    "gradient_accumulation_steps": "train.gradient_accumulation_steps",
+    "lora_rank": "train.lora_rank",
+    "lora_alpha": "train.lora_alpha",
+    "lora_target_modules": "train.lora_target_modules",
+    "lora_checkpoint": "train.preset_lora_path",
+    "preset_lora_path": "train.preset_lora_path",
+    "trainable_models": "train.trainable_models",
+    "use_gradient_checkpointing": "train.gradient_checkpointing",
+    "use_gradient_checkpointing_offload": "train.gradient_checkpointing_offload",
+    "enable_model_cpu_offload": "offload.enable_model_cpu_offload",
+    "enable_optimizer_cpu_offload": "offload.enable_optimizer_cpu_offload",
+    "cpu_offload_split_threshold": "offload.cpu_offload_split_threshold",
+    "output_path": "output.path",
+    "seed": "train.seed",
+}
+
+
+def _parse_value(text: str) -> Any:
+    """Interpret an override value as TOML (numbers, booleans, lists), else a plain string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        if "," in text:  # DiffSynth style comma lists: to_q,to_k
+            return [part for part in text.split(",") if part]
+        return text
+
+
+def apply_override(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``data[section][key] = value`` for ``dotted = "section.key"``; errors name the key."""
+    section, _, key = dotted.partition(".")
+    if not key or section not in RunConfig.model_fields:
+        known = ", ".join(RunConfig.model_fields)
+        raise ConfigError(f"--set {dotted}: expected section.key with section one of {known}")
+    if key not in RunConfig.model_fields[section].annotation.model_fields:
+        raise ConfigError(f"--set {dotted}: unknown key {key!r} in section [{section}]")
+    data.setdefault(section, {})[key] = value
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for item in err.errors():
+        dotted = ".".join(str(part) for part in item["loc"])
+        lines.append(f"  {dotted}: {item['msg']}")
+    return "\n".join(lines)
+
+
+def read_config_file(path: Path | str) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    text = path.read_text()
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            return yaml.safe_load(text) or {}
+        if path.suffix == ".json":
+            return json.loads(text)
+        return tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, yaml.YAMLError, json.JSONDecodeError) as err:
+        raise ConfigError(f"cannot parse config file {path}: {err}") from err
+
+
+def build_config(data: dict[str, Any], overrides: list[str] = (), source: str = "<config>") -> RunConfig:
+    """Validate ``data`` after applying ``section.key=value`` overrides; collects every error."""
+    data = json.loads(json.dumps(data))  # deep copy, plain types only
+    for item in overrides:
+        dotted, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set {item!r}: expected section.key=value")
+        apply_override(data, dotted.strip(), _parse_value(raw.strip()))
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None
+
+
+def load_config(path: Path | str, overrides: list[str] = ()) -> RunConfig:
+    return build_config(read_config_file(path), overrides, source=str(path))
+
+
+def diffsynth_flags_to_overrides(argv: list[str]) -> list[str]:
+    """Turn ``--dataset_base_path x --use_gradient_checkpointing`` into ``--set`` overrides."""
+    overrides, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        name = arg[2:].split("=", 1)[0] if arg.startswith("--") else None
+        if name not in DIFFSYNTH_FLAGS:
+            raise ConfigError(f"unknown argument {arg!r}")
+        if "=" in arg:
+            value, i = arg.split("=", 1)[1], i + 1
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            value, i = argv[i + 1], i + 2
+        else:  # a bare flag is a boolean switch
+            value, i = "true", i + 1
+        overrides.append(f"{DIFFSYNTH_FLAGS[name]}={value}")
+    return overrides

@@ -1,0 +1,72 @@
+import copy
+
+import pytest
+import torch
+
+from diffsynth_core.training.loop import Trainer
+from diffsynth_core.training.metrics import read_metrics
+from stages.config import OffloadSection, TrainSection
+
+from .toy import TOY_SPEC, ToyDiT, toy_samples
+
+
+def _train(tmp_path, model, **options):
+    defaults = dict(lora_rank=4, max_steps=6, save_steps=2, learning_rate=1e-2, seed=5, gradient_checkpointing=False)
+    train = TrainSection(**{**defaults, **options})
+    trainer = Trainer(TOY_SPEC, model, toy_samples(), train, OffloadSection(), tmp_path, progress=False)
+    return trainer.fit()
+
+
+def _lora_weights(model):
+    return {k: v.detach().clone() for k, v in model.named_parameters() if "lora_" in k}
+
+
+def test_stop_and_resume_is_bit_for_bit_equal_to_an_uninterrupted_run(tmp_path):
+    torch.manual_seed(0)
+    base = ToyDiT()
+    straight = _train(tmp_path / "straight", copy.deepcopy(base), max_steps=6)
+
+    _train(tmp_path / "resumed", copy.deepcopy(base), max_steps=3)  # "killed" after step 3's checkpoint
+    resumed = _train(tmp_path / "resumed", copy.deepcopy(base), max_steps=6)
+
+    assert resumed.resumed_from == 3
+    expected, got = _lora_weights(straight.model), _lora_weights(resumed.model)
+    assert expected.keys() == got.keys() and expected
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+    steps = [int(row["step"]) for row in read_metrics(tmp_path / "resumed" / "metrics.csv")]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    losses = [row["loss"] for row in read_metrics(tmp_path / "resumed" / "metrics.csv")]
+    assert losses == [row["loss"] for row in read_metrics(tmp_path / "straight" / "metrics.csv")]
+
+
+def test_lora_trains_in_fp32_over_a_bf16_base_and_changes_the_output(tmp_path):
+    torch.manual_seed(0)
+    model = ToyDiT().to(torch.bfloat16)
+    result = _train(tmp_path, model, max_steps=3, lora_init="default")
+    lora = _lora_weights(result.model)
+    assert all(v.dtype == torch.float32 for v in lora.values())
+    assert any(v.abs().sum() > 0 for k, v in lora.items() if "lora_B" in k)  # B starts at zero, so it trained
+    assert result.model.inp.weight.dtype == torch.bfloat16 and not result.model.inp.weight.requires_grad
+
+
+def test_each_optimizer_step_consumes_accumulation_samples_and_logs_one_row(tmp_path):
+    torch.manual_seed(0)
+    result = _train(tmp_path, ToyDiT(), max_steps=2, save_steps=0, gradient_accumulation_steps=3)
+    state = torch.load(tmp_path / "checkpoints" / "step-00000002" / "state.pt", weights_only=True)
+    assert (state["epoch"], state["position"]) == (0, 6)  # 2 steps x 3 samples = the whole epoch of 6
+    assert len(result.losses) == 2
+    assert [int(r["step"]) for r in read_metrics(tmp_path / "metrics.csv")] == [1, 2]
+
+
+def test_checkpoints_keep_the_last_k_and_latest_points_to_the_newest(tmp_path):
+    torch.manual_seed(0)
+    _train(tmp_path, ToyDiT(), max_steps=8, save_steps=2, keep_checkpoints=2)
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*"))
+    assert kept == ["step-00000006", "step-00000008"]
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-00000008"
+
+
+def test_unmatched_lora_target_is_an_error_naming_it(tmp_path):
+    with pytest.raises(ValueError, match="nonexistent"):
+        _train(tmp_path, ToyDiT(), lora_target_modules=["nonexistent"])

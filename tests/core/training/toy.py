@@ -1,0 +1,70 @@
+"""A tiny DiT-shaped model and FamilySpec for engine tests that need no diffusers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from diffsynth_core.models.base import FamilySpec
+
+
+class ToyBlock(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        self.mod = nn.Linear(width, width)
+
+    def forward(self, x, cond):
+        return x + torch.tanh(self.proj(x)) * self.mod(cond)
+
+
+class ToyDiT(nn.Module):
+    """Latents (B, C, H, W) -> tokens (B, HW, C); text (B, L, C) pooled into the conditioning."""
+
+    def __init__(self, channels: int = 4, width: int = 16, depth: int = 2):
+        super().__init__()
+        self.inp = nn.Linear(channels, width)
+        self.time = nn.Linear(1, width)
+        self.text = nn.Linear(channels, width)
+        self.transformer_blocks = nn.ModuleList(ToyBlock(width) for _ in range(depth))
+        self.out = nn.Linear(width, channels)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.inp.weight.dtype
+
+    def enable_gradient_checkpointing(self):  # the trainer's fallback path
+        pass
+
+    def forward(self, latents, sigmas, prompt_embeds):
+        b, c, h, w = latents.shape
+        tokens = self.inp(latents.flatten(2).transpose(1, 2))
+        cond = self.time(sigmas.view(b, 1, 1).to(tokens.dtype)) + self.text(prompt_embeds).mean(1, keepdim=True)
+        for block in self.transformer_blocks:
+            tokens = block(tokens, cond)
+        return self.out(tokens).transpose(1, 2).reshape(b, c, h, w)
+
+
+def _toy_forward(model, latents, sigmas, cond):
+    return model(latents, sigmas, cond["prompt_embeds"])
+
+
+def _unused(*args, **kwargs):
+    raise NotImplementedError("the toy family has no files")
+
+
+TOY_SPEC = FamilySpec(
+    name="toy", encoder_components=(), transformer_component="transformer",
+    block_container_names=("transformer_blocks",), lora_target_modules=("proj", "mod"), frame_multiple=1,
+    load_components=_unused, load_transformer_file=_unused, encode_prompt=_unused, encode_pixels=_unused,
+    dit_forward=_toy_forward, export_lora=_unused, save_tiny_model=_unused, pipeline_class_name="",
+)
+
+
+def toy_samples(n: int = 6, seed: int = 0) -> list[dict]:
+    generator = torch.Generator().manual_seed(seed)
+    return [{"latents": torch.randn(4, 4, 4, generator=generator),
+             "prompt_embeds": torch.randn(3 + i % 2, 4, generator=generator),
+             "meta": {"row": i}} for i in range(n)]
