@@ -1,0 +1,222 @@
+"""`SampleDataset`: metadata rows → decoded, cropped and resized pixel tensors.
+
+One row gives one `Sample` whose `pixels` are (C, F, H, W) float32 in [-1, 1]: F=1 for a
+still image, the first `num_frames` frames (4k+1 with frame_multiple=4) for a video.
+Rows are checked lazily except for the columns, which are checked at construction so a
+wrong metadata file fails before any work starts.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+from .errors import DatasetError
+from .media import MediaError, check_media_path, is_video, read_frames, read_image, usable_frame_count
+from .metadata import find_columns, load_metadata
+from .resize import TooSmallError, crop_and_resize, crop_and_resize_size
+
+logger = logging.getLogger(__name__)
+
+# Bumped when decoding changes what a row turns into (resampling filter, rounding…), so
+# cache keys built from `settings()` go stale with it.
+PIXELS_VERSION = 1
+
+
+@dataclass
+class Sample:
+    """One decoded row. `fields` is the raw metadata row (with `prompt` filled from
+    `caption`/`text` when that is the column the metadata uses)."""
+
+    row: int
+    fields: dict[str, Any]
+    pixels: torch.Tensor
+    files: list[Path] = field(default_factory=list)
+    height: int = 0
+    width: int = 0
+    num_frames: int = 1
+
+    @property
+    def prompt(self) -> str:
+        return self.fields["prompt"]
+
+
+class SampleDataset(Dataset):
+    """Images and videos listed in a CSV/JSON/JSONL metadata file (torch Dataset protocol)."""
+
+    def __init__(self, metadata_path: str | Path, base_path: str | Path | None = None, *,
+                 data_file_keys: Sequence[str] | str = ("image", "video"),
+                 height: int | None = None, width: int | None = None,
+                 max_pixels: int = 1024 * 1024, num_frames: int = 1, frame_multiple: int = 1,
+                 division: int = 16, repeat: int = 1, skip_bad_samples: bool = False):
+        self.metadata_path = Path(metadata_path).absolute()
+        # Relative media paths are resolved against base_path, else the metadata's folder;
+        # absolute so that files (and cache keys built from them) do not depend on the cwd.
+        self.base_path = Path(base_path).absolute() if base_path is not None else self.metadata_path.parent
+        if isinstance(data_file_keys, str):  # DiffSynth-style "image,video"
+            data_file_keys = [k.strip() for k in data_file_keys.split(",") if k.strip()]
+        self.data_file_keys = tuple(data_file_keys)
+        self.height, self.width = height, width
+        self.max_pixels, self.division = max_pixels, division
+        self.num_frames, self.frame_multiple = num_frames, frame_multiple
+        self.repeat, self.skip_bad_samples = repeat, skip_bad_samples
+        self._check_settings()
+        self.records: list[dict[str, Any]] = load_metadata(self.metadata_path)
+        self.prompt_column, self.media_columns = find_columns(
+            self.records, self.data_file_keys, self.metadata_path)
+        self._skipped: dict[int, tuple[str, str]] = {}
+
+    def _check_settings(self) -> None:
+        """Collect every invalid setting into one error, before any file is read."""
+        errors = []
+
+        def positive_int(name: str, value: Any) -> bool:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                errors.append(f"{name} must be a positive integer, got {value!r}")
+                return False
+            return True
+
+        division_ok = positive_int("division", self.division)
+        if (self.height is None) != (self.width is None):
+            errors.append(f"give both height and width or neither, got height={self.height!r} "
+                          f"width={self.width!r}")
+        for name in ("height", "width"):
+            value = getattr(self, name)
+            if value is not None and positive_int(name, value) and division_ok \
+                    and value % self.division:
+                errors.append(f"{name}={value} must be a multiple of {self.division} "
+                              f"(the latent grid); try {max(self.division, value // self.division * self.division)}")
+        if positive_int("max_pixels", self.max_pixels) and division_ok \
+                and self.max_pixels < self.division ** 2:
+            errors.append(f"max_pixels={self.max_pixels} is below division**2={self.division ** 2}")
+        positive_int("repeat", self.repeat)
+        if positive_int("num_frames", self.num_frames) and positive_int("frame_multiple", self.frame_multiple) \
+                and self.frame_multiple > 1 and self.num_frames % self.frame_multiple != 1:
+            errors.append(f"num_frames={self.num_frames} must be ≡ 1 (mod frame_multiple="
+                          f"{self.frame_multiple}), e.g. {usable_frame_count(self.num_frames, self.frame_multiple)}")
+        if not self.data_file_keys:
+            errors.append("data_file_keys is empty")
+        if errors:
+            raise DatasetError("invalid dataset settings: " + "; ".join(errors),
+                               metadata=self.metadata_path)
+
+    # torch Dataset protocol -------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.records) * self.repeat
+
+    def __getitem__(self, index: int) -> Sample | None:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"index {index} out of range for a dataset of {len(self)}")
+        return self.load(index % len(self.records))
+
+    # Public verbs -----------------------------------------------------------------------
+    def settings(self) -> dict[str, Any]:
+        """What changes the decoded pixels of a row; goes into the cache key."""
+        return {"height": self.height, "width": self.width, "max_pixels": self.max_pixels,
+                "num_frames": self.num_frames, "frame_multiple": self.frame_multiple,
+                "division": self.division, "data_file_keys": list(self.data_file_keys),
+                "resample": "bilinear", "pixels_version": PIXELS_VERSION}
+
+    def source_files(self, index: int) -> list[Path]:
+        """Resolved media files of row `index`, checked to exist but not decoded.
+
+        A bad row raises DatasetError; with skip_bad_samples it is recorded in `skipped`
+        and [] is returned (and `load` then returns None).
+        """
+        try:
+            return [self._resolve(index)[1]]
+        except DatasetError as e:
+            if not self.skip_bad_samples:
+                raise
+            self._skip(index, e)
+            return []
+
+    def load(self, index: int) -> Sample | None:
+        """Decode row `index` (0-based). None only when skip_bad_samples and the row is bad."""
+        try:
+            key, path = self._resolve(index)
+            pixels = self._decode(index, key, path)
+        except DatasetError as e:
+            if not self.skip_bad_samples:
+                raise
+            self._skip(index, e)
+            return None
+        _, num_frames, height, width = pixels.shape
+        return Sample(row=index, fields=self._fields(index), pixels=pixels, files=[path],
+                      height=height, width=width, num_frames=num_frames)
+
+    @property
+    def skipped(self) -> list[tuple[int, str, str]]:
+        """(row index, file or "", reason) of each row skipped so far, by row."""
+        return [(row, file, reason) for row, (file, reason) in sorted(self._skipped.items())]
+
+    # Internals --------------------------------------------------------------------------
+    def _error(self, index: int, reason: str, file: Path | None = None) -> DatasetError:
+        return DatasetError(reason, metadata=self.metadata_path, row=index, file=file)
+
+    def _skip(self, index: int, error: DatasetError) -> None:
+        if index not in self._skipped:
+            logger.warning("skipping bad sample: %s", error)
+        self._skipped[index] = (error.file or "", error.reason)
+
+    def _fields(self, index: int) -> dict[str, Any]:
+        fields = dict(self.records[index])
+        fields["prompt"] = fields[self.prompt_column]
+        return fields
+
+    def _resolve(self, index: int) -> tuple[str, Path]:
+        """Check row `index` (prompt, one media cell, file exists); return (column, path)."""
+        if not 0 <= index < len(self.records):
+            raise IndexError(f"row index {index} out of range for {len(self.records)} rows "
+                             f"of {self.metadata_path}")
+        row = self.records[index]
+        prompt = row.get(self.prompt_column)
+        if not isinstance(prompt, str):
+            raise self._error(index, f"column {self.prompt_column!r} must hold text, got {prompt!r}")
+        cells = [(k, row[k]) for k in self.media_columns if row.get(k) not in (None, "")]
+        if len(cells) != 1:
+            found = "none" if not cells else ", ".join(k for k, _ in cells)
+            raise self._error(index, f"expected exactly one media file in columns "
+                                     f"{list(self.media_columns)}, found {found}")
+        key, value = cells[0]
+        if not isinstance(value, str):
+            raise self._error(index, f"column {key!r} must hold one file path, got {value!r}")
+        if "://" in value:
+            raise self._error(index, f"column {key!r}: URLs are not supported, download first",
+                              file=value)
+        path = Path(value).expanduser()
+        path = path if path.is_absolute() else self.base_path / path
+        try:
+            check_media_path(path)
+        except MediaError as e:
+            raise self._error(index, f"column {key!r}: {e}", file=path) from e
+        return key, path
+
+    def _decode(self, index: int, key: str, path: Path) -> torch.Tensor:
+        try:
+            if is_video(path):
+                # The `image` column holds stills: a GIF there gives its first frame only.
+                frames = read_frames(path, 1 if key == "image" else self.num_frames)
+                frames = frames[:usable_frame_count(len(frames), self.frame_multiple)]
+            else:
+                frames = [read_image(path)]
+            height, width = crop_and_resize_size(
+                frames[0].height, frames[0].width, height=self.height, width=self.width,
+                max_pixels=self.max_pixels, division=self.division)
+        except (MediaError, TooSmallError) as e:
+            raise self._error(index, f"column {key!r}: {e}", file=path) from e
+        return _to_pixels([crop_and_resize(f, height, width) for f in frames])
+
+
+def _to_pixels(frames: list[Image.Image]) -> torch.Tensor:
+    """RGB frames → (C, F, H, W) float32 in [-1, 1]."""
+    array = np.stack([np.asarray(f, dtype=np.uint8) for f in frames])  # (F, H, W, C)
+    pixels = torch.from_numpy(array).permute(3, 0, 1, 2).to(torch.float32)
+    return (pixels / 127.5 - 1.0).contiguous()

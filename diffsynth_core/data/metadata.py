@@ -1,0 +1,107 @@
+"""Metadata files: CSV, JSON (a list of objects) or JSONL (one object per line) → list of dicts.
+
+The three formats give the same records for the same rows: CSV cells are read as strings
+(never as numbers or NaN, so a prompt like "NA" or "1984" survives) and an empty CSV cell
+becomes None, like a JSON null.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from .errors import DatasetError
+
+METADATA_FORMATS = (".csv", ".json", ".jsonl")
+# The prompt column: `prompt` is the name DiffSynth-Studio uses; `caption` and `text`
+# are what most captioning tools write. The first one present wins.
+PROMPT_COLUMNS = ("prompt", "caption", "text")
+
+
+def load_metadata(path: str | Path) -> list[dict[str, Any]]:
+    """Read a metadata file into one dict per row; raises DatasetError naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError("metadata file not found", metadata=path)
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        records = _read_csv(path)
+    elif suffix == ".json":
+        records = _read_json(path)
+    elif suffix == ".jsonl":
+        records = _read_jsonl(path)
+    else:
+        raise DatasetError(f"unsupported metadata format {suffix!r}; use one of "
+                           f"{', '.join(METADATA_FORMATS)}", metadata=path)
+    if not records:
+        raise DatasetError("metadata has no rows", metadata=path)
+    return [{k: _none_if_nan(v) for k, v in r.items()} for r in records]
+
+
+def _read_csv(path: Path) -> list[dict[str, Any]]:
+    try:
+        # utf-8-sig: spreadsheets often write a byte-order mark before the header.
+        frame = pd.read_csv(path, dtype=str, keep_default_na=False, encoding="utf-8-sig")
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
+        raise DatasetError(f"cannot parse CSV: {e}", metadata=path) from e
+    frame.columns = [str(c).strip() for c in frame.columns]
+    return [{k: (None if v == "" else v) for k, v in row.items()}
+            for row in frame.to_dict(orient="records")]
+
+
+def _read_json(path: Path) -> list[dict[str, Any]]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8-sig"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DatasetError(f"cannot parse JSON: {e}", metadata=path) from e
+    if not isinstance(data, list):
+        raise DatasetError(f"JSON metadata must be a list of objects, got {type(data).__name__}",
+                           metadata=path)
+    for i, row in enumerate(data):
+        if not isinstance(row, dict):
+            raise DatasetError(f"row is a {type(row).__name__}, expected an object",
+                               metadata=path, row=i)
+    return data
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    records = []
+    with path.open(encoding="utf-8-sig") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue  # blank lines (a trailing newline, say) are not rows
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"line {line_no} is not valid JSON: {e}", metadata=path) from e
+            if not isinstance(row, dict):
+                raise DatasetError(f"line {line_no} is a {type(row).__name__}, expected an object",
+                                   metadata=path)
+            records.append(row)
+    return records
+
+
+def _none_if_nan(value: Any) -> Any:
+    # JSON may carry NaN (Python's json accepts it); treat it as a missing value, like null.
+    return None if isinstance(value, float) and math.isnan(value) else value
+
+
+def find_columns(records: list[dict[str, Any]], data_file_keys: tuple[str, ...],
+                 metadata: str | Path) -> tuple[str, tuple[str, ...]]:
+    """Return (prompt column, media columns present); raise if either is missing."""
+    columns = {k for r in records for k in r}
+    prompt = next((c for c in PROMPT_COLUMNS if c in columns), None)
+    media = tuple(k for k in data_file_keys if k in columns)
+    problems = []
+    if prompt is None:
+        problems.append(f"no prompt column (expected one of {', '.join(PROMPT_COLUMNS)})")
+    if not media:
+        problems.append(f"none of the data_file_keys columns ({', '.join(data_file_keys)})")
+    if problems:
+        raise DatasetError(f"metadata has {' and '.join(problems)}; its columns are "
+                           f"{sorted(columns)}", metadata=metadata)
+    return prompt, media
