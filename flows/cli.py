@@ -1,0 +1,175 @@
+"""The ``splitflow`` command line.
+
+Each verb loads a ``RunConfig`` (file + ``--set`` overrides + DiffSynth-style flags), calls one
+flow or one stage, prints a summary and exits non-zero on failure.  Prefect is imported only
+after its environment (``PREFECT_HOME`` inside the work directory) is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from stages.config import ConfigError, RunConfig, diffsynth_flags_to_overrides, load_config
+
+DEFAULT_DEMO_DIR = "splitflow-demo"
+
+
+def _prefect_environment(home: Path) -> None:
+    """Keep Prefect's state out of $HOME and make its temporary server start reliably."""
+    os.environ.setdefault("PREFECT_HOME", str(home.resolve() / ".prefect"))
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
+def _config(args, extra: list[str]) -> RunConfig:
+    return load_config(args.config, list(args.set) + diffsynth_flags_to_overrides(extra))
+
+
+def _print(result) -> None:
+    print(json.dumps(result, indent=2, default=str))
+
+
+# -- verbs -------------------------------------------------------------------------------------
+def cmd_demo(args, extra) -> int:
+    from stages.demo import prepare_demo
+
+    workdir = Path(args.workdir)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    cfg, config_path = prepare_demo(workdir, args.family, list(args.set) + diffsynth_flags_to_overrides(extra))
+    print(f"demo: dataset, tiny {args.family} model and {config_path} ready in {workdir}")
+    _prefect_environment(workdir)
+    from flows.split_training import split_training
+
+    _print(split_training(cfg))
+    print(f"outputs in {cfg.output_dir}; rerun any verb with: splitflow <verb> {config_path}")
+    return 0
+
+
+def cmd_run(args, extra) -> int:
+    cfg = _config(args, extra)
+    _prefect_environment(cfg.output_dir)
+    from flows.split_training import split_training
+
+    _print(split_training(cfg))
+    return 0
+
+
+def cmd_preprocess(args, extra) -> int:
+    cfg = _config(args, extra)
+    if args.part is not None:  # one part, no orchestration: what a worker machine runs
+        from stages import preprocess
+
+        summary = preprocess.run(cfg, args.part)
+        print(summary.describe())
+        return 0
+    _prefect_environment(cfg.output_dir)
+    from flows.split_training import preprocess_flow
+
+    _print(preprocess_flow(cfg))
+    return 0
+
+
+def cmd_train(args, extra) -> int:
+    cfg = _config(args, extra)
+    _prefect_environment(cfg.output_dir)
+    from flows.split_training import train_flow
+
+    _print(train_flow.with_options(retries=cfg.train.retries)(cfg))
+    return 0
+
+
+def cmd_status(args, extra) -> int:
+    from stages.status import run_status
+
+    _print(run_status(_config(args, extra)))
+    return 0
+
+
+def cmd_resume(args, extra) -> int:
+    from stages.status import run_status
+
+    cfg = _config(args, extra)
+    status = run_status(cfg)
+    print(f"resuming: cache {status['cache']['present']}/{status['cache']['expected']} entries, "
+          f"training at step {status['train']['step']}")
+    _prefect_environment(cfg.output_dir)
+    from flows.split_training import split_training
+
+    _print(split_training(cfg))
+    return 0
+
+
+def cmd_deploy(args, extra) -> int:
+    cfg = _config(args, extra)
+    from flows.deployments import deploy
+
+    _print(deploy(cfg, Path(args.config).resolve(), args.preprocess_pool, args.train_pool))
+    return 0
+
+
+def cmd_cache(args, extra) -> int:
+    from cache_store.report import format_inspect, inspect_cache
+
+    report = inspect_cache(args.path, verify=args.action == "verify")
+    print(format_inspect(report))
+    return 0 if args.action == "inspect" or report.get("ok", False) else 1
+
+
+VERBS = {
+    "demo": (cmd_demo, "build the tiny demo (dataset + real-architecture model) and run both stages"),
+    "run": (cmd_run, "run preprocess then train for CONFIG (resumes whatever is already done)"),
+    "preprocess": (cmd_preprocess, "stage 1: encode prompts and pixels into the cache"),
+    "train": (cmd_train, "stage 2: train from the cache, resuming from the last checkpoint"),
+    "resume": (cmd_resume, "show what is done, then continue the failed or stopped stages"),
+    "status": (cmd_status, "report cache completeness and training progress, without running anything"),
+    "deploy": (cmd_deploy, "register the stages as Prefect deployments on work pools"),
+    "cache": (cmd_cache, "inspect or verify a cache (zarr or pth)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="splitflow",
+        description="Fine-tune diffusion transformers on small GPUs: preprocess (encoders -> cache), "
+                    "then train (DiT or LoRA from the cache, weights offloaded). Try: splitflow demo",
+    )
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    for name, (_, help_text) in VERBS.items():
+        sub = verbs.add_parser(name, help=help_text, description=help_text)
+        if name == "cache":
+            sub.add_argument("action", choices=["inspect", "verify"])
+            sub.add_argument("path", help="cache URL or folder (e.g. out/cache.zarr, s3://bucket/cache.zarr)")
+            continue
+        if name == "demo":
+            sub.add_argument("--workdir", default=DEFAULT_DEMO_DIR, help="where the demo writes everything")
+            sub.add_argument("--family", default="qwen_image", help="model family of the tiny model")
+        else:
+            sub.add_argument("config", help="run config (TOML or YAML); see examples/")
+        sub.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                         help="override a config value, e.g. --set train.max_steps=100 (repeatable)")
+        if name == "preprocess":
+            sub.add_argument("--part", type=int, help="encode only this part (0-based) of preprocess.parts")
+        if name == "deploy":
+            sub.add_argument("--preprocess-pool", default="preprocess-pool", help="work pool for stage 1")
+            sub.add_argument("--train-pool", default="train-pool", help="work pool for stage 2")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    # Unknown arguments may be DiffSynth-Studio flags (--dataset_base_path ...): mapped per verb.
+    args, extra = parser.parse_known_args(argv)
+    try:
+        return VERBS[args.verb][0](args, extra)
+    except (ConfigError, FileNotFoundError, ValueError) as err:
+        print(f"splitflow {args.verb}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

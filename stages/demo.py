@@ -1,0 +1,94 @@
+"""The embedded default: a small drawn dataset, a tiny real-architecture model, and their config.
+
+Everything is generated locally (no hub, no downloads), so ``splitflow demo`` runs on a
+fresh machine.  Generation is deterministic and skipped when the files already exist.
+"""
+
+from __future__ import annotations
+
+import csv
+import random
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+
+from diffsynth_core.models import get_family
+
+from .config import RunConfig, build_config
+
+COLOURS = {"red": (220, 40, 40), "green": (40, 180, 70), "blue": (40, 70, 220), "yellow": (235, 210, 40),
+           "purple": (140, 50, 170), "white": (245, 245, 245), "black": (20, 20, 20), "orange": (240, 140, 30)}
+SHAPES = ("circle", "square", "triangle")
+SIZES = ((96, 96), (128, 96))  # (width, height): two aspect ratios, both multiples of 16
+
+
+def _draw(shape: str, fg: tuple, bg: tuple, size: tuple[int, int], rng: random.Random) -> Image.Image:
+    width, height = size
+    image = Image.new("RGB", size, bg)
+    draw = ImageDraw.Draw(image)
+    r = rng.randint(min(size) // 5, min(size) // 3)
+    cx, cy = rng.randint(r, width - r), rng.randint(r, height - r)
+    if shape == "circle":
+        draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=fg)
+    elif shape == "square":
+        draw.rectangle((cx - r, cy - r, cx + r, cy + r), fill=fg)
+    else:
+        draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fg)
+    return image
+
+
+def write_demo_dataset(folder: Path, count: int = 16, seed: int = 0) -> Path:
+    """``count`` captioned images of two sizes plus ``metadata.csv``; returns the metadata path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    metadata = folder / "metadata.csv"
+    if metadata.is_file():
+        return metadata
+    rng = random.Random(seed)
+    names = list(COLOURS)
+    rows = []
+    for index in range(count):
+        shape = SHAPES[index % len(SHAPES)]
+        fg, bg = rng.sample(names, 2)
+        size = SIZES[index % len(SIZES)]
+        file_name = f"{index:03d}_{fg}_{shape}.png"
+        _draw(shape, COLOURS[fg], COLOURS[bg], size, rng).save(folder / file_name)
+        rows.append({"image": file_name, "prompt": f"a {fg} {shape} on a {bg} background"})
+    tmp = metadata.with_suffix(".tmp")
+    with tmp.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["image", "prompt"])
+        writer.writeheader()
+        writer.writerows(rows)
+    tmp.replace(metadata)  # the metadata appears last, so its presence means the dataset is whole
+    return metadata
+
+
+def write_demo_model(folder: Path, family: str = "qwen_image", seed: int = 0) -> Path:
+    marker = folder / "model_index.json"
+    if not marker.is_file():
+        get_family(family).save_tiny_model(folder, seed)
+    return folder
+
+
+def demo_config(workdir: Path, family: str = "qwen_image", overrides: list[str] = ()) -> RunConfig:
+    """A complete config for the demo whose outputs all live under ``workdir``."""
+    workdir = workdir.resolve()
+    data = {
+        "dataset": {"base_path": str(workdir / "dataset"), "metadata_path": str(workdir / "dataset" / "metadata.csv"),
+                    "repeat": 1},
+        "model": {"family": family, "path": str(workdir / "model"), "dtype": "float32"},
+        "cache": {"url": str(workdir / "cache.zarr"), "backend": "zarr"},
+        "preprocess": {"parts": 2, "device": "cpu"},
+        "train": {"learning_rate": 1e-3, "max_steps": 24, "save_steps": 8, "lora_rank": 4, "seed": 0,
+                  "device": "cpu"},
+        "output": {"path": str(workdir / "output")},
+    }
+    return build_config(data, list(overrides), source="demo")
+
+
+def prepare_demo(workdir: Path, family: str = "qwen_image", overrides: list[str] = ()) -> tuple[RunConfig, Path]:
+    """Write dataset, model and ``workdir/config.toml`` (unless present); return the config and its path."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    write_demo_dataset(workdir / "dataset")
+    write_demo_model(workdir / "model", family)
+    cfg = demo_config(workdir, family, overrides)
+    return cfg, cfg.save(workdir / "config.toml")

@@ -1,0 +1,168 @@
+"""Stage 1: encode prompts and pixels into the cache, without gradients.
+
+``run(cfg, part)`` encodes the rows of one part (row index modulo ``preprocess.parts``), or
+every row when ``part`` is None, skipping entries the cache already holds; ``finalize``
+records which keys the current dataset needs, so training never sees stale entries.  A
+killed run loses at most the entries since its last commit, and re-running resumes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from cache_store import entry_key, fingerprint_of, open_cache
+from diffsynth_core.data import SampleDataset
+from diffsynth_core.models import FamilySpec, get_family
+
+from .common import encoder_identity, model_dtype, open_dataset, resolve_device
+from .config import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CacheSummary:
+    url: str
+    part: int | None
+    parts: int
+    rows: int             # dataset rows this call was responsible for
+    encoded: int          # entries written now
+    reused: int           # entries already in the cache
+    skipped: list[dict] = field(default_factory=list)  # bad rows skipped (skip_bad_samples)
+    complete: bool = False
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        scope = "all parts" if self.part is None else f"part {self.part + 1}/{self.parts}"
+        text = f"preprocess ({scope}): {self.encoded} encoded, {self.reused} already cached"
+        if self.skipped:
+            text += f", {len(self.skipped)} bad rows skipped"
+        return text + f" in {self.seconds:.1f}s -> {self.url}"
+
+
+@dataclass
+class Plan:
+    spec: FamilySpec
+    dataset: SampleDataset
+    keys: list[str]      # one content key per metadata row
+    fingerprint: str     # identity of the encoders
+
+
+def make_plan(cfg: RunConfig) -> Plan:
+    """Key every row by content: its fields and file bytes, the decode settings, the encoders."""
+    spec = get_family(cfg.model.family)
+    dataset = open_dataset(cfg, spec)
+    identity = encoder_identity(cfg, spec)
+    settings = {**dataset.settings(), "max_sequence_length": cfg.preprocess.max_sequence_length,
+                "dtype": cfg.model.dtype, "encoders": identity}
+    keys = [entry_key(record, dataset.source_files(i), settings) for i, record in enumerate(dataset.records)]
+    return Plan(spec, dataset, keys, fingerprint_of(identity))
+
+
+def _open_store(cfg: RunConfig, plan: Plan, writer: str | None):
+    return open_cache(cfg.cache_url, mode="a", backend=cfg.cache.backend, fingerprint=plan.fingerprint,
+                      writer=writer, storage_options=cfg.cache.storage_options or None)
+
+
+def _rows_of_part(plan: Plan, part: int | None, parts: int) -> list[int]:
+    rows = range(len(plan.keys)) if part is None else range(part, len(plan.keys), parts)
+    seen, unique = set(), []
+    for row in rows:  # identical rows share one entry
+        if plan.keys[row] not in seen:
+            seen.add(plan.keys[row])
+            unique.append(row)
+    return unique
+
+
+def _encode_row(plan: Plan, components, row: int, device: torch.device) -> dict | None:
+    sample = plan.dataset.load(row)
+    if sample is None:
+        return None
+    prompt = str(sample.fields.get("prompt", ""))
+    entry = dict(plan.spec.encode_prompt(components, prompt, str(device)))
+    entry.update(plan.spec.encode_pixels(components, sample.pixels, str(device)))
+    entry = {k: v.detach().cpu() for k, v in entry.items()}
+    entry["meta"] = {"row": row, "prompt": prompt, "height": sample.height, "width": sample.width,
+                     "num_frames": sample.num_frames, "files": [str(f) for f in sample.files]}
+    return entry
+
+
+def _load_encoders(cfg: RunConfig, spec: FamilySpec, device: torch.device):
+    components = spec.load_components(cfg.model.path, spec.encoder_components, model_dtype(cfg), "cpu")
+    managers = []
+    for name, component in components.items():
+        if not isinstance(component, torch.nn.Module):
+            continue
+        component.eval().requires_grad_(False)
+        if device.type == "cuda" and cfg.preprocess.offload_encoders:
+            from diffsynth_core.offload import OffloadTrainingManager
+
+            managers.append(OffloadTrainingManager(component, device))
+        else:
+            component.to(device)
+    return components, managers
+
+
+def run(cfg: RunConfig, part: int | None = None) -> CacheSummary:
+    started = time.perf_counter()
+    parts = cfg.preprocess.parts
+    if part is not None and not 0 <= part < parts:
+        raise ValueError(f"part {part} out of range: preprocess.parts = {parts}")
+    plan = make_plan(cfg)
+    writer = "all" if part is None else f"part-{part}-of-{parts}"
+    store = _open_store(cfg, plan, writer)
+    rows = _rows_of_part(plan, part, parts)
+    todo = [row for row in rows if not store.has(plan.keys[row])]
+    summary = CacheSummary(store.url, part, parts, len(rows), 0, len(rows) - len(todo))
+    if todo:
+        summary.encoded, summary.skipped = _encode_rows(cfg, plan, store, todo)
+    if part is None:
+        summary.complete = finalize(cfg, summary.skipped, plan=plan).complete
+    summary.seconds = time.perf_counter() - started
+    log.info(summary.describe())
+    return summary
+
+
+def _encode_rows(cfg: RunConfig, plan: Plan, store, rows: list[int]) -> tuple[int, list[dict]]:
+    from tqdm.auto import tqdm
+
+    device = resolve_device(cfg.preprocess.device)
+    components, managers = _load_encoders(cfg, plan.spec, device)
+    encoded, skipped = 0, []
+    try:
+        with torch.no_grad():
+            for row in tqdm(rows, desc="preprocess", unit="sample"):
+                entry = _encode_row(plan, components, row, device)
+                if entry is None:
+                    skipped.append({"row": row, "key": plan.keys[row]})
+                    continue
+                store.put(plan.keys[row], entry)
+                encoded += 1
+                if encoded % cfg.preprocess.commit_every == 0:
+                    store.commit()
+        store.commit()
+    finally:
+        for manager in managers:
+            manager.detach()
+    skipped_reasons = {row: reason for row, _, reason in plan.dataset.skipped}
+    for item in skipped:
+        item["reason"] = skipped_reasons.get(item["row"], "")
+    return encoded, skipped
+
+
+def finalize(cfg: RunConfig, skipped: list[dict] = (), plan: Plan | None = None) -> CacheSummary:
+    """Record the keys the current dataset trains on (bad rows that were skipped excluded)."""
+    plan = plan or make_plan(cfg)
+    store = _open_store(cfg, plan, writer=None)
+    skipped_keys = {item["key"] for item in skipped}
+    store.set_dataset_keys([k for k in dict.fromkeys(plan.keys) if k not in skipped_keys])
+    missing = store.missing_keys()
+    return CacheSummary(store.url, None, cfg.preprocess.parts, len(plan.keys), 0, len(plan.keys) - len(missing),
+                        list(skipped), complete=not missing)

@@ -1,0 +1,35 @@
+"""What is done for a config: cache completeness and training progress, read from disk only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cache_store import open_cache
+
+from .config import RunConfig
+
+
+def _cache_status(cfg: RunConfig) -> dict:
+    try:
+        store = open_cache(cfg.cache_url, mode="r", storage_options=cfg.cache.storage_options or None)
+    except FileNotFoundError:
+        return {"url": cfg.cache_url, "exists": False, "expected": None, "present": 0, "complete": False}
+    expected = store.dataset_keys()
+    present = len(store.keys())
+    missing = len(store.missing_keys()) if expected is not None else None
+    return {"url": cfg.cache_url, "exists": True, "expected": len(expected) if expected is not None else None,
+            "present": present, "missing": missing, "complete": expected is not None and missing == 0}
+
+
+def _train_status(cfg: RunConfig) -> dict:
+    checkpoints = cfg.output_dir / "checkpoints"
+    pointer = checkpoints / "latest"
+    latest = pointer.read_text().strip() if pointer.is_file() else None
+    step = int(latest.split("-")[1]) if latest else 0
+    exports = sorted(str(p) for p in Path(cfg.output_dir).glob("*.safetensors"))
+    return {"output": str(cfg.output_dir), "step": step, "max_steps": cfg.train.max_steps,
+            "latest_checkpoint": str(checkpoints / latest) if latest else None, "exports": exports}
+
+
+def run_status(cfg: RunConfig) -> dict:
+    return {"cache": _cache_status(cfg), "train": _train_status(cfg)}

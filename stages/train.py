@@ -1,0 +1,96 @@
+"""Stage 2: train the DiT (LoRA or full) from the cache, resuming from the last checkpoint.
+
+Only the transformer is loaded; prompts and pixels come from the cache.  Runtime settings
+(checkpointing, offload, device) come from this run's config, never from the cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from cache_store import open_cache
+from diffsynth_core.models import FamilySpec, get_family
+from diffsynth_core.training.lora import lora_state_dict
+from diffsynth_core.training.loop import Trainer
+
+from .common import model_dtype, resolve_device
+from .config import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainSummary:
+    output: str
+    steps: int
+    resumed_from: int
+    final_loss: float | None
+    exports: dict[str, str]
+    seconds: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        resumed = f" (resumed at step {self.resumed_from})" if self.resumed_from else ""
+        loss = f", last loss {self.final_loss:.4f}" if self.final_loss is not None else ""
+        files = ", ".join(self.exports.values())
+        return f"train: {self.steps} steps{resumed}{loss} in {self.seconds:.1f}s -> {files}"
+
+
+class CachedSamples:
+    """The training set: cache entries in the order of the dataset keys, read on demand."""
+
+    def __init__(self, store, keys: list[str]):
+        self.store, self.keys = store, keys
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.store.get(self.keys[index])
+
+
+def load_transformer(cfg: RunConfig, spec: FamilySpec) -> torch.nn.Module:
+    dtype = model_dtype(cfg)
+    if cfg.model.transformer_file:
+        config_dir = Path(cfg.model.path) / spec.transformer_component
+        return spec.load_transformer_file(Path(cfg.model.transformer_file), config_dir, dtype)
+    names = (spec.transformer_component,)
+    return spec.load_components(Path(cfg.model.path), names, dtype, "cpu")[spec.transformer_component]
+
+
+def _export(spec: FamilySpec, result, output: Path) -> dict[str, str]:
+    if result.lora_config is not None:
+        paths = spec.export_lora(lora_state_dict(result.model), result.lora_config, output)
+        return {name: str(path) for name, path in paths.items()}
+    weights = {k: v.detach().cpu().contiguous() for k, v in result.model.state_dict().items()}
+    path = output / f"{spec.transformer_component}.safetensors"
+    save_file(weights, str(path))
+    return {"full": str(path)}
+
+
+def run(cfg: RunConfig) -> TrainSummary:
+    started = time.perf_counter()
+    spec = get_family(cfg.model.family)
+    store = open_cache(cfg.cache_url, mode="r", storage_options=cfg.cache.storage_options or None)
+    keys = store.require_complete(allow_partial=cfg.cache.allow_partial)
+    output = cfg.output_dir
+    output.mkdir(parents=True, exist_ok=True)
+    cfg.save(output / "config.toml")
+    transformer = load_transformer(cfg, spec)
+    trainer = Trainer(spec, transformer, CachedSamples(store, keys), cfg.train, cfg.offload, output,
+                      device=resolve_device(cfg.train.device), repeat=cfg.dataset.repeat)
+    result = trainer.fit()
+    exports = _export(spec, result, output) if trainer.rank == 0 else {}
+    summary = TrainSummary(str(output), result.step, result.resumed_from,
+                           result.losses[-1] if result.losses else None, exports, time.perf_counter() - started)
+    log.info(summary.describe())
+    return summary
