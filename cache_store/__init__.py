@@ -1,0 +1,10 @@
+"""splitflow's stage-1 cache: content-keyed, crash-safe, shareable entries (see base.py)."""
+
+from .base import CacheFormatError, CacheStore, Entry, IncompleteCacheError, VerifyReport
+from .keys import entry_key, fingerprint_of
+from .opener import open_cache
+
+__all__ = [
+    "CacheFormatError", "CacheStore", "Entry", "IncompleteCacheError", "VerifyReport",
+    "entry_key", "fingerprint_of", "open_cache",
+]

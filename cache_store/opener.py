@@ -1,0 +1,95 @@
+"""open_cache: find (or create) a cache at a URL and hand back the right backend.
+
+The header file ``splitflow-cache.json`` is written once, at creation, and records the backend
+and the encoders' fingerprint.  A writer with other encoders is refused, so two preprocessing
+configurations can never mix entries in one cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from ._fs import Root
+from .base import CacheFormatError, CacheStore
+from .pth_backend import PthStore
+from .zarr_backend import ZarrStore
+
+HEADER = "splitflow-cache.json"
+FORMAT, VERSION = "splitflow-cache", 1
+BACKENDS = {"zarr": ZarrStore, "pth": PthStore}
+
+
+def read_header(root: Root) -> dict[str, Any] | None:
+    raw = root.read_bytes(HEADER)
+    if raw is None:
+        return None
+    try:
+        header = json.loads(raw)
+        assert header["format"] == FORMAT and header["backend"] in BACKENDS
+    except Exception as e:
+        raise CacheFormatError(f"cache {root.url}: {HEADER} is not a splitflow cache header ({e!r})") from e
+    if header.get("version", 0) > VERSION:
+        raise CacheFormatError(f"cache {root.url}: format version {header['version']} is newer than "
+                               f"this splitflow understands ({VERSION}); upgrade splitflow")
+    return header
+
+
+def looks_like_diffsynth(root: Root) -> bool:
+    """DiffSynth-Studio split training writes <rank>/<i>.pth folders and nothing else."""
+    ranks = [n for n in root.listdir("") if n.isdigit()]
+    return any(any(f.endswith(".pth") for f in root.listdir(r)) for r in ranks[:4])
+
+
+def _create_header(root: Root, backend: str | None, fingerprint: str | None) -> None:
+    if root.listdir(""):
+        hint = (" It looks like a DiffSynth-Studio cache: convert it with "
+                "cache_store.diffsynth.import_diffsynth_cache." if looks_like_diffsynth(root) else "")
+        raise CacheFormatError(f"cache {root.url}: folder exists and is not a splitflow cache "
+                               f"(no {HEADER}); refusing to write into it.{hint}")
+    backend = backend or "zarr"
+    header = {"format": FORMAT, "version": VERSION, "backend": backend,
+              "fingerprint": fingerprint, "created_at": time.time()}
+    try:
+        root.write_bytes(HEADER, json.dumps(header, indent=1).encode(), exclusive=True)
+    except FileExistsError:
+        pass  # a concurrent writer created it first; its header rules (checked by the caller)
+
+
+def open_cache(url: str | os.PathLike, mode: str = "r", *, backend: str | None = None,
+               fingerprint: str | None = None, writer: str | None = None,
+               storage_options: dict[str, Any] | None = None, compression: str | None = "zstd") -> CacheStore:
+    """Open the cache at ``url`` (local path or fsspec URL) for reading ("r") or appending ("a").
+
+    ``backend``: None detects it from disk (zarr when creating).  ``fingerprint``: the encoders'
+    identity, recorded at creation and checked afterwards.  ``writer``: this writer's id; its
+    parts are named after it, and its own uncommitted leftovers from a killed run are removed.
+    ``compression`` ("zstd" | None) applies to zarr parts written by this store.
+    """
+    if mode not in ("r", "a"):
+        raise ValueError(f"mode must be 'r' or 'a', got {mode!r}")
+    if backend not in (None, *BACKENDS):
+        raise ValueError(f"backend must be one of {sorted(BACKENDS)} or None, got {backend!r}")
+    root = Root(os.fspath(url), storage_options)
+    header = read_header(root)
+    if header is None and mode == "r":
+        hint = (" It looks like a DiffSynth-Studio cache: convert it with "
+                "cache_store.diffsynth.import_diffsynth_cache." if looks_like_diffsynth(root) else "")
+        raise CacheFormatError(f"cache {root.url}: no splitflow cache here (no {HEADER}); run preprocess.{hint}")
+    if header is None:
+        _create_header(root, backend, fingerprint)
+        header = read_header(root)
+    if backend is not None and backend != header["backend"]:
+        raise CacheFormatError(f"cache {root.url} is a {header['backend']} cache, not {backend}")
+    if fingerprint is not None and fingerprint != header["fingerprint"]:
+        raise CacheFormatError(
+            f"cache {root.url} was built with encoder fingerprint {header['fingerprint']!r} but this run "
+            f"has {fingerprint!r}; point cache.url elsewhere or delete the old cache")
+    cls = BACKENDS[header["backend"]]
+    kwargs = {"storage_options": storage_options, "compression": compression} if cls is ZarrStore else {}
+    store = cls(root, mode, header["fingerprint"], writer, **kwargs)
+    if mode == "a" and writer is not None:
+        store._drop_own_orphans()
+    return store

@@ -1,0 +1,231 @@
+"""The commit protocol shared by both backends: parts, manifests, the committed index.
+
+A writer appends entries to a *part* it alone owns (named ``<writer>-<random>``), then commits
+it by writing ``manifests/<part>.json`` last, in one atomic write.  Readers build their index
+from manifests only, so data of a part that was never committed (writer killed) is invisible,
+and writers never touch each other's files: no locks, on a local disk or on S3 alike.
+Backends (zarr, pth) only decide how an entry's bytes are stored.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from typing import Any, Iterable
+
+import torch
+
+from ._fs import Root
+from .codec import KEY_RE
+from .base import CacheFormatError, Entry, IncompleteCacheError, VerifyReport
+
+MANIFESTS = "manifests"
+DATASET_KEYS = "dataset-keys.json"
+WRITER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+PART_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}-[0-9a-f]{12}$")  # <writer>-<random>
+
+
+class PartStore:
+    """Backend-independent half of a CacheStore; subclasses implement the ``_`` hooks."""
+
+    backend = "?"
+
+    def __init__(self, root: Root, mode: str, fingerprint: str | None, writer: str | None):
+        if writer is not None and not WRITER_RE.match(writer):
+            raise ValueError(f"writer id {writer!r} must match {WRITER_RE.pattern}")
+        self.root, self.url, self.mode, self.fingerprint = root, root.url, mode, fingerprint
+        self.writer = writer or "writer"
+        self._part: str | None = None          # part being written by this process
+        self._pending: dict[str, dict] = {}    # key -> record, not yet committed
+        self.refresh()
+
+    # ---- backend hooks ------------------------------------------------------------------
+    def _start_part(self, part: str) -> None: ...
+    def _write_entry(self, part: str, key: str, entry: Entry) -> dict[str, Any]: raise NotImplementedError
+    def _finish_part(self, part: str) -> None: ...
+    def _read_entry(self, part: str, key: str, record: dict[str, Any]) -> Entry: raise NotImplementedError
+    def _data_parts(self) -> list[str]: return []          # parts holding data, committed or not
+    def _remove_part_data(self, part: str) -> None: ...
+
+    # ---- index --------------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Re-read the manifests (other writers may have committed since we opened)."""
+        self._index: dict[str, tuple[str, dict]] = {}
+        self._parts: list[str] = []
+        self.duplicates = 0
+        for name in self.root.listdir(MANIFESTS):
+            if not name.endswith(".json"):
+                continue
+            part = name[: -len(".json")]
+            manifest = self._load_manifest(part)
+            self._parts.append(part)
+            for rec in manifest["entries"]:
+                if rec["key"] in self._index:
+                    self.duplicates += 1  # same content committed twice: first part (by name) wins
+                else:
+                    self._index[rec["key"]] = (part, rec)
+        self._sorted_keys = sorted(self._index)
+
+    def _load_manifest(self, part: str) -> dict[str, Any]:
+        raw = self.root.read_bytes(f"{MANIFESTS}/{part}.json")
+        try:
+            manifest = json.loads(raw)
+            assert isinstance(manifest["entries"], list)
+        except Exception as e:
+            raise CacheFormatError(f"cache {self.url}: manifest of part {part} is unreadable: {e}") from e
+        return manifest
+
+    def keys(self) -> list[str]:
+        return list(self._sorted_keys)
+
+    def has(self, key: str) -> bool:
+        return key in self._index or key in self._pending
+
+    def get(self, key: str) -> Entry:
+        if key not in self._index:
+            hint = " (put but not committed yet)" if key in self._pending else ""
+            raise KeyError(f"cache {self.url}: no committed entry {key}{hint}")
+        part, record = self._index[key]
+        where = f"entry {key} (part {part})"
+        try:
+            return self._read_entry(part, key, record)
+        except CacheFormatError:
+            raise
+        except Exception as e:  # decoder / IO errors: say which entry, keep the cause
+            raise CacheFormatError(f"cache {self.url}: {where} is unreadable: {type(e).__name__}: {e}") from e
+
+    # ---- writing ------------------------------------------------------------------------
+    def put(self, key: str, entry: Entry) -> None:
+        """Buffer ``entry`` under ``key``; a key already present is skipped (same content)."""
+        if self.mode == "r":
+            raise PermissionError(f"cache {self.url} was opened read-only")
+        if not isinstance(key, str) or not KEY_RE.match(key):
+            raise ValueError(f"cache key {key!r} must match {KEY_RE.pattern} (use entry_key())")
+        if self.has(key):
+            return
+        if self._part is None:
+            self._part = f"{self.writer}-{uuid.uuid4().hex[:12]}"
+            self._start_part(self._part)
+        self._pending[key] = self._write_entry(self._part, key, entry)
+
+    def commit(self) -> None:
+        """Publish every entry put since the last commit, all at once."""
+        if not self._pending:
+            return
+        part = self._part
+        self._finish_part(part)
+        entries = [{"key": k, **rec} for k, rec in self._pending.items()]
+        manifest = {"part": part, "writer": self.writer, "backend": self.backend,
+                    "fingerprint": self.fingerprint, "committed_at": time.time(), "entries": entries}
+        self.root.write_bytes(f"{MANIFESTS}/{part}.json", json.dumps(manifest).encode())  # the commit point
+        self._parts.append(part)
+        for rec in entries:
+            self._index.setdefault(rec["key"], (part, rec))
+        self._sorted_keys = sorted(self._index)
+        self._part, self._pending = None, {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *_):
+        if exc_type is None and self.mode != "r":
+            self.commit()
+
+    # ---- what the dataset needs ---------------------------------------------------------
+    def set_dataset_keys(self, keys: Iterable[str]) -> None:
+        if self.mode == "r":
+            raise PermissionError(f"cache {self.url} was opened read-only")
+        keys = list(keys)
+        bad = [k for k in keys if not isinstance(k, str)]
+        if bad:
+            raise TypeError(f"dataset keys must be strings, got {bad[0]!r}")
+        doc = {"count": len(keys), "keys": keys, "written_at": time.time()}
+        self.root.write_bytes(DATASET_KEYS, json.dumps(doc).encode())
+
+    def dataset_keys(self) -> list[str] | None:
+        raw = self.root.read_bytes(DATASET_KEYS)
+        if raw is None:
+            return None
+        try:
+            doc = json.loads(raw)
+            assert len(doc["keys"]) == doc["count"]
+        except Exception as e:
+            raise CacheFormatError(f"cache {self.url}: {DATASET_KEYS} is unreadable: {e}") from e
+        return list(doc["keys"])
+
+    def missing_keys(self) -> list[str]:
+        wanted = self.dataset_keys() or []
+        return list(dict.fromkeys(k for k in wanted if k not in self._index))
+
+    def require_complete(self, allow_partial: bool = False) -> list[str]:
+        """Keys to train on, in dataset order; refuses a cache that lacks some unless told."""
+        wanted = self.dataset_keys()
+        if wanted is None:
+            return self.keys()  # no dataset recorded (e.g. an imported cache): all entries
+        missing = self.missing_keys()
+        if missing and not allow_partial:
+            total = len(dict.fromkeys(wanted))
+            raise IncompleteCacheError(
+                f"cache {self.url}: {len(missing)} of {total} entries missing "
+                f"(e.g. {missing[0]}); run preprocess")
+        return [k for k in wanted if k in self._index]
+
+    # ---- checks and numbers -------------------------------------------------------------
+    def verify(self, allow_nonfinite: bool = False) -> VerifyReport:
+        """Read every committed entry: checksums, dtypes and shapes, finiteness."""
+        report = VerifyReport(missing=self.missing_keys())
+        for key in self._sorted_keys:
+            report.checked += 1
+            try:
+                entry = self.get(key)
+            except CacheFormatError as e:
+                report.errors.append(str(e))
+                continue
+            if allow_nonfinite:
+                continue
+            for name, t in entry.items():
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all():
+                    report.errors.append(f"cache {self.url}: entry {key} (part {self._index[key][0]}) "
+                                         f"field {name!r} holds NaN or Inf")
+        return report
+
+    def orphan_parts(self) -> list[str]:
+        """Parts with data but no manifest: a writer died (or is still writing)."""
+        committed = set(self._parts)
+        return [p for p in self._data_parts()
+                if PART_RE.match(p) and p not in committed and p != self._part]
+
+    def cleanup(self, min_age_s: float = 3600.0) -> list[str]:
+        """Delete orphan parts older than ``min_age_s`` (younger ones may be in progress)."""
+        removed, now = [], time.time()
+        for part in self.orphan_parts():
+            mtime = self._part_mtime(part)
+            if mtime is not None and now - mtime >= min_age_s:
+                self._remove_part_data(part)
+                removed.append(part)
+        return removed
+
+    def _part_mtime(self, part: str) -> float | None:
+        return None
+
+    def _drop_own_orphans(self) -> None:
+        """A writer id runs once at a time, so its uncommitted parts are dead: remove them."""
+        for part in self.orphan_parts():
+            if part.rsplit("-", 1)[0] == self.writer:
+                self._remove_part_data(part)
+
+    def stats(self) -> dict[str, Any]:
+        files = self.root.files()
+        wanted = self.dataset_keys()
+        missing = self.missing_keys() if wanted is not None else []
+        return {
+            "url": self.url, "backend": self.backend, "fingerprint": self.fingerprint,
+            "entries": len(self._index), "parts": len(self._parts),
+            "bytes": sum(files.values()), "files": len(files),
+            "tensor_bytes": sum(rec["nbytes"] for _, rec in self._index.values()),
+            "dataset_keys": None if wanted is None else len(wanted), "missing": len(missing),
+            "complete": None if wanted is None else not missing,
+            "duplicates": self.duplicates, "orphan_parts": len(self.orphan_parts()),
+        }
