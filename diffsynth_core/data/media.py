@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 from PIL import Image, ImageOps, ImageSequence
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff"})
@@ -40,11 +41,20 @@ def read_image(path: Path) -> Image.Image:
             image.load()
             # Phone photos store their rotation in EXIF; apply it so the pixels are upright.
             image = ImageOps.exif_transpose(image)
-            return image.convert("RGB")
+            return _to_rgb(image)
     except FileNotFoundError as e:
         raise MediaError("file not found") from e
     except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as e:
         raise MediaError(f"cannot decode image: {_short(e)}") from e
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    """RGB of any mode. 16-bit greyscale is scaled to 8 bits first: Pillow's own
+    convert("RGB") clips it at 255, which turns most of such an image white."""
+    if image.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N"):
+        wide = np.clip(np.asarray(image).astype(np.int64), 0, 65535) >> 8
+        image = Image.fromarray(wide.astype(np.uint8), "L")
+    return image.convert("RGB")
 
 
 def read_frames(path: Path, max_frames: int) -> list[Image.Image]:

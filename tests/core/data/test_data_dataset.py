@@ -150,3 +150,31 @@ def test_source_files_do_not_decode(tmp_path):
     (tmp_path / "corrupt.png").write_bytes(b"not a png at all")
     ds = _dataset(tmp_path, [{"image": "corrupt.png", "prompt": "p"}])
     assert ds.source_files(0) == [tmp_path / "corrupt.png"]
+
+
+def test_exif_orientation_is_applied(tmp_path):
+    image = Image.new("RGB", (48, 16), (0, 0, 255))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90° clockwise to display": a portrait photo stored landscape
+    image.save(tmp_path / "phone.jpg", exif=exif)
+    sample = _dataset(tmp_path, [{"image": "phone.jpg", "prompt": "p"}]).load(0)
+    assert (sample.height, sample.width) == (48, 16)
+
+
+def test_sixteen_bit_greyscale_png_is_scaled_not_clipped(tmp_path):
+    wide = (np.arange(32 * 32, dtype=np.uint16).reshape(32, 32) * 64)
+    Image.fromarray(wide).save(tmp_path / "depth.png")
+    sample = _dataset(tmp_path, [{"image": "depth.png", "prompt": "p"}]).load(0)
+    expected = torch.from_numpy((wide >> 8).astype(np.float32)) / 127.5 - 1
+    for channel in range(3):
+        assert torch.equal(sample.pixels[channel, 0], expected)
+
+
+@pytest.mark.parametrize("mode, color, rgb", [("L", 128, (128,) * 3), ("RGBA", (0, 255, 0, 0), (0, 255, 0)),
+                                              ("P", 0, (0, 0, 0)), ("CMYK", (0, 255, 0, 0), (255, 0, 255))])
+def test_other_modes_become_rgb(tmp_path, mode, color, rgb):
+    name = "x.jpg" if mode == "CMYK" else "x.png"
+    Image.new(mode, (16, 16), color).save(tmp_path / name)
+    pixels = _dataset(tmp_path, [{"image": name, "prompt": "p"}]).load(0).pixels
+    got = ((pixels[:, 0, 8, 8] + 1) * 127.5).round().tolist()
+    assert all(abs(g - w) <= 2 for g, w in zip(got, rgb))
