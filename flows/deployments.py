@@ -1,0 +1,83 @@
+"""Deployments: run the stages on work pools (cheap GPUs preprocess, a big GPU trains).
+
+``deploy`` registers three deployments from this source tree on a running Prefect server
+(``PREFECT_API_URL``): ``preprocess-part`` (one part per run, on the preprocess pool),
+``train`` (on the train pool) and ``split-training-pools``, a thin parent that fans the parts
+out over the preprocess pool, finalizes the cache and then starts training.  Each stage's
+resumption comes from disk, so a re-run or a ``prefect flow-run retry`` continues the work.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.deployments import run_deployment
+
+from stages import preprocess as preprocess_stage
+from stages import train as train_stage
+from stages.config import RunConfig
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+ENTRYPOINT = "flows/deployments.py"
+
+
+@flow(name="preprocess-part", flow_run_name="preprocess-part{part}of{cfg.preprocess.parts}")
+def preprocess_part_flow(cfg: RunConfig, part: int) -> dict:
+    return preprocess_stage.run(cfg, part).as_dict()
+
+
+@flow(name="train-stage", flow_run_name="train-{cfg.model.family}")
+def train_stage_flow(cfg: RunConfig) -> dict:
+    return train_stage.run(cfg).as_dict()
+
+
+@flow(name="split-training-pools")
+def split_training_on_pools(cfg: RunConfig) -> dict:
+    """Parent flow: parts on the preprocess pool (in parallel), then training on the train pool."""
+    logger = get_run_logger()
+    params = {"cfg": cfg.model_dump(mode="json")}
+    runs = [run_deployment("preprocess-part/preprocess-part", parameters={**params, "part": part}, timeout=0)
+            for part in range(cfg.preprocess.parts)]
+    finished = [_wait(run.id) for run in runs]
+    failed = [part for part, run in enumerate(finished) if not run.state.is_completed()]
+    if failed:
+        raise RuntimeError(f"preprocess parts {failed} did not complete; re-run to encode only what is missing")
+    skipped = [item for run in finished for item in _result_or(run, {"skipped": []})["skipped"]]
+    final = preprocess_stage.finalize(cfg, skipped)
+    logger.info("cache complete=%s (%s rows)", final.complete, final.rows)
+    trained = _wait(run_deployment("train-stage/train-stage", parameters=params, timeout=0).id)
+    if not trained.state.is_completed():
+        raise RuntimeError(f"training run {trained.id} ended {trained.state.type.value}; re-run to resume")
+    return {"preprocess": final.as_dict(), "train": _result_or(trained, {"id": str(trained.id)})}
+
+
+def _result_or(flow_run, default: dict) -> dict:
+    """A child's return value when its result was persisted where this process can read it."""
+    try:
+        return flow_run.state.result()
+    except Exception:  # MissingResult: results live on the worker's machine; the disk state is what counts
+        return default
+
+
+def _wait(flow_run_id):
+    from prefect.flow_runs import wait_for_flow_run
+
+    return wait_for_flow_run(flow_run_id, timeout=None, poll_interval=2)
+
+
+def deploy(cfg: RunConfig, config_path: Path, preprocess_pool: str, train_pool: str) -> dict:
+    if not os.environ.get("PREFECT_API_URL"):
+        raise ValueError("deploy needs a Prefect server: start one (prefect server start) and set PREFECT_API_URL")
+    params = {"cfg": cfg.model_dump(mode="json")}
+    plan = [("preprocess_part_flow", "preprocess-part", preprocess_pool, {**params, "part": 0}),
+            ("train_stage_flow", "train-stage", train_pool, params),
+            ("split_training_on_pools", "split-training-pools", train_pool, params)]
+    deployed = {}
+    for function, name, pool, parameters in plan:
+        source = flow.from_source(source=str(PROJECT_ROOT), entrypoint=f"{ENTRYPOINT}:{function}")
+        deployed[name] = str(source.deploy(name=name, work_pool_name=pool, parameters=parameters,
+                                           description=f"splitflow {name} for {config_path}", print_next_steps=False))
+    return {"config": str(config_path), "deployments": deployed,
+            "pools": {"preprocess": preprocess_pool, "train": train_pool}}
