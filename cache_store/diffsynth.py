@@ -1,0 +1,153 @@
+"""Bring a DiffSynth-Studio split-training cache (``<rank>/<i>.pth``) into a splitflow cache.
+
+Those files are pickled ``(inputs_shared, inputs_posi, inputs_nega)`` tuples holding tensors,
+plain values, a ``torch.device`` and a PIL image.  ``torch.load(weights_only=False)`` would run
+any code the pickle names, so we unpickle with an allow-list: torch's tensor rebuilders, dtypes,
+devices and containers are built; PIL images become inert placeholders (never constructed, then
+dropped); any other global (``os.system``, ``builtins.eval`` ...) stops the load with an error
+naming the file.  The import copies tensors into a new cache keyed by file content.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import types
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .base import CacheFormatError, Entry
+from .keys import entry_key
+from .opener import open_cache
+
+_BUILD = {
+    ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor_v3"),
+    ("torch._utils", "_rebuild_parameter"), ("torch", "device"), ("torch", "Size"),
+    ("collections", "OrderedDict"), ("_codecs", "encode"), ("builtins", "set"),
+    ("builtins", "frozenset"), ("builtins", "bytearray"), ("builtins", "complex"),
+}
+_INERT_MODULES = ("PIL.",)  # data-only classes we skip without constructing them
+
+
+class Skipped:
+    """Stands in for an object we refuse to construct; it keeps nothing and runs nothing."""
+
+    qualname = "?"
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        pass
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in _BUILD:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module.startswith(_INERT_MODULES):
+            return type(name, (Skipped,), {"qualname": f"{module}.{name}"})
+        raise pickle.UnpicklingError(f"pickle wants {module}.{name}; refusing to run it (only tensors "
+                                     "and plain values are read from DiffSynth caches)")
+
+
+def _safe_load(f, **kwargs):
+    return _SafeUnpickler(f, **kwargs).load()
+
+
+# torch.load accepts a "pickle module"; this one can only build tensors and plain values
+SAFE_PICKLE = types.SimpleNamespace(__name__="splitflow_safe_pickle", Unpickler=_SafeUnpickler,
+                                    load=_safe_load)
+
+
+def load_diffsynth_file(path: str | os.PathLike) -> Any:
+    """Unpickle one DiffSynth cache file with the allow-list; tensors land on the CPU."""
+    try:
+        return torch.load(path, map_location="cpu", pickle_module=SAFE_PICKLE, weights_only=False)
+    except Exception as e:
+        raise CacheFormatError(f"DiffSynth cache file {os.fspath(path)}: {type(e).__name__}: {e}") from e
+
+
+DEFAULT_RENAME = {"input_latents": "latents", "prompt_emb": "prompt_embeds",
+                  "prompt_emb_mask": "prompt_embeds_mask"}
+DEFAULT_DROP = ("noise", "latents")  # DiffSynth's "latents" is the noise: dead weight in stage 2
+
+
+def diffsynth_entry(data: Any, where: str, rename: dict[str, str] | None = None,
+                    drop: tuple[str, ...] = DEFAULT_DROP, squeeze_batch: bool = True) -> Entry:
+    """Map ``(inputs_shared, inputs_posi, inputs_nega)`` to a splitflow entry.
+
+    Tensors of the shared and positive inputs become fields (renamed to splitflow's names, the
+    leading batch dim of 1 removed); plain values go to ``meta``; the negative inputs are the
+    positive ones again at cfg_scale 1 and are skipped.
+    """
+    rename = DEFAULT_RENAME if rename is None else rename
+    dicts = data[:2] if isinstance(data, (tuple, list)) else (data,)
+    if not dicts or not all(isinstance(d, dict) for d in dicts):
+        raise CacheFormatError(f"{where}: expected a (shared, positive, negative) tuple of dicts")
+    entry: Entry = {}
+    meta: dict[str, Any] = {"source": where, "dropped": []}
+    for d in dicts:
+        for name, value in d.items():
+            if name in drop:
+                continue
+            if isinstance(value, torch.Tensor):
+                t = value[0] if squeeze_batch and value.dim() > 0 and value.shape[0] == 1 else value
+                entry[rename.get(name, name)] = t.contiguous()
+            elif value is None or isinstance(value, (bool, int, float, str)):
+                meta[name] = value
+            else:
+                meta["dropped"].append(name)  # PIL images, devices, lists of images ...
+    if not any(isinstance(v, torch.Tensor) for v in entry.values()):
+        raise CacheFormatError(f"{where}: holds no tensors")
+    entry["meta"] = meta
+    return entry
+
+
+def diffsynth_files(src: str | os.PathLike) -> list[Path]:
+    """``<rank>/<i>.pth`` files in a stable order (rank, then index), not listing order."""
+    root = Path(src)
+    if not root.is_dir():
+        raise FileNotFoundError(f"DiffSynth cache folder {root} does not exist")
+    files = [p for d in root.iterdir() if d.is_dir() and d.name.isdigit() for p in d.glob("*.pth")]
+    if not files:
+        raise CacheFormatError(f"{root}: no <rank>/<i>.pth files (not a DiffSynth split-training cache)")
+
+    def order(p: Path):
+        return (int(p.parent.name), int(p.stem) if p.stem.isdigit() else 1 << 62, p.stem)
+
+    return sorted(files, key=order)
+
+
+def import_diffsynth_cache(src: str | os.PathLike, dest_url: str, *, backend: str | None = None,
+                           fingerprint: str = "diffsynth-import", rename: dict[str, str] | None = None,
+                           drop: tuple[str, ...] = DEFAULT_DROP, commit_every: int = 256,
+                           storage_options: dict | None = None) -> dict[str, Any]:
+    """Copy every ``<rank>/<i>.pth`` under ``src`` into the cache at ``dest_url``.
+
+    Keys hash each file's bytes, so re-running skips what was imported; the dataset keys are
+    all imported entries in (rank, index) order.  A bad file stops the import with an error
+    naming it; everything committed before stays intact.  Returns a summary dict.
+    """
+    files = diffsynth_files(src)
+    store = open_cache(dest_url, "a", backend=backend, fingerprint=fingerprint, writer="diffsynth-import",
+                       storage_options=storage_options)
+    keys, imported = [], 0
+    for path in files:
+        key = entry_key({"diffsynth_file": f"{path.parent.name}/{path.name}"}, [path], {"rename": rename})
+        keys.append(key)
+        if store.has(key):
+            continue
+        where = f"{path.parent.name}/{path.name}"
+        store.put(key, diffsynth_entry(load_diffsynth_file(path), where, rename, drop))
+        imported += 1
+        if imported % commit_every == 0:
+            store.commit()
+    store.commit()
+    store.set_dataset_keys(keys)
+    return {"source": os.fspath(src), "cache": store.url, "files": len(files), "imported": imported,
+            "already_present": len(files) - imported, "keys": keys}
