@@ -1,0 +1,180 @@
+"""Qwen-Image (text-to-image): ``QwenImagePipeline`` components.
+
+Conventions (diffusers 0.42):
+* prompt: Qwen2.5-VL last hidden state of the chat template with its 34-token system prefix
+  dropped -> ``prompt_embeds (L, D)`` and ``prompt_embeds_mask (L,)`` (ones; int64).  Batches of
+  different prompt lengths are padded with zero embeddings and mask 0.
+* pixels ``(3, 1, H, W)`` -> ``latents (16, 1, H/8, W/8)``: the VAE posterior **mode** (its mean),
+  normalised ``(z - latents_mean) / latents_std`` per channel, in the VAE's dtype.
+* DiT: latents packed 2x2 into ``(B, h/2*w/2, 64)``, ``timestep = sigma`` (x1000 inside the
+  model), ``img_shapes`` from the latent shape, never ``guidance`` (its path is broken).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from . import lora_export, single_file, tiny_tokenizers
+from .base import Components, FamilySpec
+from .loading import load_components as _load_components
+from .loading import module_dtype
+
+PIPELINE_CLASS = "QwenImagePipeline"
+ENCODER_COMPONENTS = ("text_encoder", "tokenizer", "vae")
+DEFAULT_MAX_SEQUENCE_LENGTH = 1024
+VAE_SCALE = 8  # spatial down-sampling of AutoencoderKLQwenImage
+PATCH = 2  # 2x2 latent patches per token
+
+# FlowMatchEulerDiscreteScheduler config of the released Qwen-Image model.
+SCHEDULER_CONFIG = dict(
+    base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, num_train_timesteps=1000,
+    shift=1.0, shift_terminal=0.02, time_shift_type="exponential", use_dynamic_shifting=True,
+)
+
+
+def _pipeline_cls():
+    from diffusers import QwenImagePipeline
+
+    return QwenImagePipeline
+
+
+# --- tiny model --------------------------------------------------------------------------
+
+def _tiny_text_encoder(vocab_size: int, eos_id: int):
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    v = vocab_size
+    config = Qwen2_5_VLConfig(
+        text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=v + 8, bos_token_id=eos_id, eos_token_id=eos_id,
+                         pad_token_id=eos_id,
+                         rope_scaling={"mrope_section": [2, 2, 4], "rope_type": "default", "type": "default"}),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32),
+        vocab_size=v + 8, vision_start_token_id=v + 1, vision_end_token_id=v + 2, image_token_id=v + 3,
+        video_token_id=v + 4, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
+    )
+    return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def save_tiny_model(out_dir: Path, seed: int = 0) -> Path:
+    """Write a tiny random Qwen-Image (about 1 M parameters in all) in the diffusers layout."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+
+    tokenizer = tiny_tokenizers.qwen2_tokenizer()
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        text_encoder = _tiny_text_encoder(len(tokenizer), tokenizer.eos_token_id)
+        vae = AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
+                                     temperal_downsample=[False, True, True])
+        transformer = QwenImageTransformer2DModel(
+            patch_size=PATCH, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=32,
+            num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(8, 12, 12))
+    pipe = _pipeline_cls()(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG), vae=vae,
+                           text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
+    pipe.save_pretrained(out_dir)
+    return Path(out_dir)
+
+
+# --- loading -------------------------------------------------------------------------------
+
+def load_components(path: Path, names: tuple[str, ...], dtype: torch.dtype, device: str) -> Components:
+    return _load_components(path, names, dtype, device, allowed=ENCODER_COMPONENTS + ("transformer",))
+
+
+def load_transformer_file(file: Path, config_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
+    """Single-file DiT: ComfyUI/diffusers keys are the same names here, so only prefixes are stripped."""
+    from diffusers import QwenImageTransformer2DModel
+
+    return single_file.load_transformer_file(QwenImageTransformer2DModel, file, config_dir, dtype)
+
+
+# --- encoding ------------------------------------------------------------------------------
+
+def encode_prompt(components: Components, prompt: str, device: str, *,
+                  max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH) -> dict[str, torch.Tensor]:
+    """``QwenImagePipeline.encode_prompt`` for one prompt, without the batch dim."""
+    pipe = _pipeline_cls()(scheduler=None, vae=None, text_encoder=components["text_encoder"],
+                           tokenizer=components["tokenizer"], transformer=None)
+    with torch.no_grad():
+        embeds, mask = pipe.encode_prompt(prompt, device=torch.device(device),
+                                          max_sequence_length=max_sequence_length)
+    if mask is None:  # the pipeline drops an all-ones mask; the cache keeps it for padding batches
+        mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+    return {"prompt_embeds": embeds[0], "prompt_embeds_mask": mask[0]}
+
+
+def _check_pixels(pixels: torch.Tensor, frames: int | None = 1) -> None:
+    if pixels.ndim != 4 or pixels.shape[0] != 3:
+        raise ValueError(f"pixels must be (3, F, H, W), got {tuple(pixels.shape)}")
+    if frames is not None and pixels.shape[1] != frames:
+        raise ValueError(f"this image family takes F == {frames} frame(s), got pixels {tuple(pixels.shape)}")
+    multiple = VAE_SCALE * PATCH
+    if pixels.shape[2] % multiple or pixels.shape[3] % multiple:
+        raise ValueError(f"pixel height and width must be multiples of {multiple}, got {tuple(pixels.shape[2:])}")
+
+
+def encode_pixels(components: Components, pixels: torch.Tensor, device: str) -> dict[str, torch.Tensor]:
+    """VAE posterior mode, normalised per channel: ``(16, 1, H/8, W/8)``."""
+    _check_pixels(pixels)
+    vae = components["vae"]
+    with torch.no_grad():
+        z = vae.encode(pixels[None].to(device=device, dtype=vae.dtype)).latent_dist.mode()
+    mean = torch.tensor(vae.config.latents_mean, device=z.device).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std, device=z.device).view(1, -1, 1, 1, 1)
+    return {"latents": ((z.float() - mean) / std).to(vae.dtype)[0]}
+
+
+# --- training forward ------------------------------------------------------------------------
+
+def dit_forward(transformer: torch.nn.Module, latents: torch.Tensor, sigmas: torch.Tensor,
+                cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Velocity prediction ``(B, 16, 1, h, w)`` for latents ``(B, 16, 1, h, w)`` at noise levels ``sigmas``."""
+    pipe_cls = _pipeline_cls()
+    b, c, f, h, w = latents.shape
+    if f != 1:
+        raise ValueError(f"Qwen-Image latents must have one frame, got shape {tuple(latents.shape)}")
+    dtype = module_dtype(transformer)
+    packed = pipe_cls._pack_latents(latents[:, :, 0].to(dtype), b, c, h, w)
+    mask = cond.get("prompt_embeds_mask")
+    if mask is not None and bool(mask.all()):
+        mask = None  # what the pipeline passes for unpadded prompts (and cheaper attention)
+    out = transformer(
+        hidden_states=packed, timestep=sigmas.to(dtype), encoder_hidden_states=cond["prompt_embeds"].to(dtype),
+        encoder_hidden_states_mask=mask, img_shapes=[[(1, h // PATCH, w // PATCH)]] * b, return_dict=False,
+    )[0]
+    return pipe_cls._unpack_latents(out, h * VAE_SCALE, w * VAE_SCALE, VAE_SCALE)
+
+
+# --- LoRA export -----------------------------------------------------------------------------
+
+def export_lora(peft_state_dict: dict[str, torch.Tensor], lora_config: dict[str, Any], out_dir: Path) -> dict[str, Path]:
+    """diffusers file always; a ComfyUI file (``diffusion_model.<name>`` + ``.alpha``) only when alpha != r,
+    since ComfyUI already reads the diffusers names for Qwen-Image but ignores the header's alpha."""
+    paths = {"diffusers": lora_export.save_diffusers_lora(_pipeline_cls(), peft_state_dict, lora_config, out_dir)}
+    if lora_export.needs_alpha_tensors(lora_config):
+        sd = lora_export.comfy_state_dict(peft_state_dict, lora_config, lambda m: "diffusion_model." + m)
+        paths["comfyui"] = lora_export.save_comfy_lora(sd, lora_config, out_dir)
+    return paths
+
+
+SPEC = FamilySpec(
+    name="qwen_image",
+    encoder_components=ENCODER_COMPONENTS,
+    transformer_component="transformer",
+    block_container_names=("transformer_blocks",),
+    lora_target_modules=("to_q", "to_k", "to_v", "to_out.0"),
+    frame_multiple=1,
+    load_components=load_components,
+    load_transformer_file=load_transformer_file,
+    encode_prompt=encode_prompt,
+    encode_pixels=encode_pixels,
+    dit_forward=dit_forward,
+    export_lora=export_lora,
+    save_tiny_model=save_tiny_model,
+    pipeline_class_name=PIPELINE_CLASS,
+    extras={"latent_channels": 16, "vae_scale_factor": VAE_SCALE, "pixel_multiple": VAE_SCALE * PATCH,
+            "default_max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH},
+)

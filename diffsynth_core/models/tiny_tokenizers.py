@@ -1,0 +1,86 @@
+"""Offline tokenizers for the tiny test/demo models (no hub access, no sentencepiece).
+
+Each builder returns a real ``transformers`` tokenizer of the kind the family's pipeline
+expects; ``save_pretrained`` + ``AutoTokenizer.from_pretrained`` round-trips it offline.
+Vocabularies are the byte alphabet (so any prompt tokenises) plus a few whole-word merges.
+"""
+
+from __future__ import annotations
+
+# Words of the Qwen-Image prompt template: with whole-word merges the template's system
+# prefix tokenises to exactly 34 tokens, the count QwenImagePipeline drops
+# (prompt_template_encode_start_idx), so the tiny model conditions on the user prompt only.
+_QWEN_WORDS = ["system", "user", "assistant", "Describe"] + [
+    "Ġ" + w
+    for w in (
+        "the image by detailing color shape size texture quantity text spatial relationships of objects "
+        "and background a cat dog photo"
+    ).split()
+]
+_QWEN_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_PLAIN_WORDS = ("a", "cat", "dog", "photo", "of", "the", "red", "blue")
+
+
+def _prefix_merges(words: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """Left-to-right merges that build each word; adds the merged symbols to ``vocab``."""
+    merges: list[tuple[str, str]] = []
+    for word in words:
+        for i in range(1, len(word)):
+            pair = (word[:i], word[i])
+            if pair not in merges:
+                merges.append(pair)
+            vocab.setdefault(word[: i + 1], len(vocab))
+    return merges
+
+
+def qwen2_tokenizer():
+    """Byte-level BPE ``Qwen2Tokenizer`` with the chat special tokens Qwen-Image's template uses."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import Qwen2Tokenizer
+
+    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
+    merges = _prefix_merges(_QWEN_WORDS, vocab)  # merges must be tuples, not "a b" strings
+    tok = Qwen2Tokenizer(vocab=vocab, merges=merges)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = _QWEN_CHAT_TEMPLATE
+    return tok
+
+
+def clip_tokenizer():
+    """``CLIPTokenizer`` over the byte alphabet (with and without ``</w>``); max length 77 like CLIP-L."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import CLIPTokenizer
+
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for c in sorted(ByteLevel.alphabet()):
+        vocab.setdefault(c, len(vocab))
+        vocab.setdefault(c + "</w>", len(vocab))
+    merges: list[tuple[str, str]] = []
+    for word in _PLAIN_WORDS:  # build "cat</w>" from "c","a","t</w>"
+        symbols = list(word[:-1]) + [word[-1] + "</w>"]
+        acc = symbols[0]
+        for sym in symbols[1:]:
+            pair = (acc, sym)
+            acc = acc + sym
+            if pair not in merges:
+                merges.append(pair)
+            vocab.setdefault(acc, len(vocab))
+    # FluxPipeline pads CLIP input to tokenizer.model_max_length: keep the real 77.
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
+
+
+def t5_tokenizer(model_max_length: int = 32):
+    """Unigram ``T5Tokenizer`` (FLUX's tokenizer_2, Wan's UMT5 tokenizer) without ``<extra_id_*>`` tokens.
+
+    ``model_max_length`` is what the families use as the default text length for a tiny model
+    (the real FLUX/Wan tokenizers say 512).
+    """
+    from transformers import T5Tokenizer
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    pieces += [("▁" + w, -1.0) for w in _PLAIN_WORDS]
+    pieces += [(chr(c), -5.0) for c in range(33, 127)]
+    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=model_max_length)

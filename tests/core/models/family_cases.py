@@ -1,0 +1,51 @@
+"""Per-family test data for the conformance suite: tiny-model variant, input sizes, and how to
+turn the arguments a diffusers pipeline passes to its transformer back into
+``dit_forward``'s ``(latents, sigmas, cond)`` (so the suite can check our conventions
+against the pipeline's own denoiser call)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class FamilyCase:
+    id: str
+    family: str
+    pixels_shape: tuple[int, int, int, int]  # (3, F, H, W)
+    pipeline_kwargs: dict[str, Any]  # pipe(...) kwargs for one denoising step, latent output
+    # (pipe, transformer kwargs, transformer output) -> (latents, sigmas, cond, output in the latents' layout)
+    from_pipeline_call: Callable[[Any, dict[str, Any], torch.Tensor], tuple]
+    # (pipe, prompt) -> the pipeline's own encode_prompt result under our key names, no batch dim
+    pipeline_prompt: Callable[[Any, str], dict[str, torch.Tensor]]
+    tiny_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def save_tiny(self, spec, out_dir, seed=0):
+        return functools.partial(spec.save_tiny_model, **self.tiny_kwargs)(out_dir, seed)
+
+
+def _qwen_inputs(pipe, kw, out):
+    h, w = kw["img_shapes"][0][0][1:]
+    unpack = functools.partial(pipe._unpack_latents, height=h * 16, width=w * 16, vae_scale_factor=8)
+    latents = unpack(kw["hidden_states"])
+    embeds = kw["encoder_hidden_states"]
+    mask = kw["encoder_hidden_states_mask"]
+    if mask is None:
+        mask = torch.ones(embeds.shape[:2], dtype=torch.long)
+    return latents, kw["timestep"], {"prompt_embeds": embeds, "prompt_embeds_mask": mask}, unpack(out)
+
+
+def _qwen_prompt(pipe, prompt):
+    embeds, mask = pipe.encode_prompt(prompt)
+    mask = torch.ones(embeds.shape[:2], dtype=torch.long) if mask is None else mask
+    return {"prompt_embeds": embeds[0], "prompt_embeds_mask": mask[0]}
+
+
+CASES = [
+    FamilyCase("qwen_image", "qwen_image", (3, 1, 64, 96),
+               dict(height=64, width=96, num_inference_steps=2), _qwen_inputs, _qwen_prompt),
+]
