@@ -178,3 +178,10 @@ def test_other_modes_become_rgb(tmp_path, mode, color, rgb):
     pixels = _dataset(tmp_path, [{"image": name, "prompt": "p"}]).load(0).pixels
     got = ((pixels[:, 0, 8, 8] + 1) * 127.5).round().tolist()
     assert all(abs(g - w) <= 2 for g, w in zip(got, rgb))
+
+
+def test_max_pixels_does_not_enter_settings_at_a_fixed_size(tmp_path):
+    rows = [{"image": "a.png", "prompt": "p"}]
+    fixed = _dataset(tmp_path, rows, height=64, width=64).settings()
+    assert fixed["max_pixels"] is None
+    assert _dataset(tmp_path, rows, height=64, width=64, max_pixels=128 * 128).settings() == fixed
