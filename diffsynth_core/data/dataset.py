@@ -22,6 +22,7 @@ from .errors import DatasetError
 from .media import MediaError, check_media_path, is_video, read_frames, read_image, usable_frame_count
 from .metadata import find_columns, load_metadata
 from .resize import TooSmallError, crop_and_resize, crop_and_resize_size
+from .settings import settings_errors
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,8 @@ class SampleDataset(Dataset):
         self.metadata_path = Path(metadata_path).absolute()
         # Relative media paths are resolved against base_path, else the metadata's folder;
         # absolute so that files (and cache keys built from them) do not depend on the cwd.
-        self.base_path = Path(base_path).absolute() if base_path is not None else self.metadata_path.parent
+        self.base_path = (Path(base_path).absolute() if base_path is not None
+                          else self.metadata_path.parent)
         if isinstance(data_file_keys, str):  # DiffSynth-style "image,video"
             data_file_keys = [k.strip() for k in data_file_keys.split(",") if k.strip()]
         self.data_file_keys = tuple(data_file_keys)
@@ -67,45 +69,17 @@ class SampleDataset(Dataset):
         self.max_pixels, self.division = max_pixels, division
         self.num_frames, self.frame_multiple = num_frames, frame_multiple
         self.repeat, self.skip_bad_samples = repeat, skip_bad_samples
-        self._check_settings()
+        errors = settings_errors(
+            height=height, width=width, max_pixels=max_pixels, num_frames=num_frames,
+            frame_multiple=frame_multiple, division=division, repeat=repeat,
+            data_file_keys=self.data_file_keys)
+        if errors:  # all of them at once, before any file is read
+            raise DatasetError("invalid dataset settings: " + "; ".join(errors),
+                               metadata=self.metadata_path)
         self.records: list[dict[str, Any]] = load_metadata(self.metadata_path)
         self.prompt_column, self.media_columns = find_columns(
             self.records, self.data_file_keys, self.metadata_path)
         self._skipped: dict[int, tuple[str, str]] = {}
-
-    def _check_settings(self) -> None:
-        """Collect every invalid setting into one error, before any file is read."""
-        errors = []
-
-        def positive_int(name: str, value: Any) -> bool:
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                errors.append(f"{name} must be a positive integer, got {value!r}")
-                return False
-            return True
-
-        division_ok = positive_int("division", self.division)
-        if (self.height is None) != (self.width is None):
-            errors.append(f"give both height and width or neither, got height={self.height!r} "
-                          f"width={self.width!r}")
-        for name in ("height", "width"):
-            value = getattr(self, name)
-            if value is not None and positive_int(name, value) and division_ok \
-                    and value % self.division:
-                errors.append(f"{name}={value} must be a multiple of {self.division} "
-                              f"(the latent grid); try {max(self.division, value // self.division * self.division)}")
-        if positive_int("max_pixels", self.max_pixels) and division_ok \
-                and self.max_pixels < self.division ** 2:
-            errors.append(f"max_pixels={self.max_pixels} is below division**2={self.division ** 2}")
-        positive_int("repeat", self.repeat)
-        if positive_int("num_frames", self.num_frames) and positive_int("frame_multiple", self.frame_multiple) \
-                and self.frame_multiple > 1 and self.num_frames % self.frame_multiple != 1:
-            errors.append(f"num_frames={self.num_frames} must be ≡ 1 (mod frame_multiple="
-                          f"{self.frame_multiple}), e.g. {usable_frame_count(self.num_frames, self.frame_multiple)}")
-        if not self.data_file_keys:
-            errors.append("data_file_keys is empty")
-        if errors:
-            raise DatasetError("invalid dataset settings: " + "; ".join(errors),
-                               metadata=self.metadata_path)
 
     # torch Dataset protocol -------------------------------------------------------------
     def __len__(self) -> int:

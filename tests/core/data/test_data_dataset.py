@@ -80,7 +80,8 @@ def test_fixed_size_crops_and_resizes_to_exactly_that(tmp_path):
     ({"height": 512}, "give both height and width or neither"),
     ({"repeat": 0}, "repeat must be a positive integer"),
     ({"max_pixels": 100}, "max_pixels=100 is below division"),
-    ({"num_frames": 80, "frame_multiple": 4}, r"num_frames=80 must be ≡ 1 \(mod frame_multiple=4\), e.g. 77"),
+    ({"num_frames": 80, "frame_multiple": 4},
+     r"num_frames=80 must be ≡ 1 \(mod frame_multiple=4\), e.g. 77"),
 ])
 def test_invalid_settings_fail_at_construction(tmp_path, kwargs, message):
     # The media file does not exist: settings are checked before anything is read.

@@ -81,7 +81,8 @@ def test_source_files_with_skip_returns_empty_for_unresolvable_rows(tmp_path):
 
 def test_source_files_without_skip_raises_for_missing_file(tmp_path):
     ds = SampleDataset(write_metadata(tmp_path / "metadata.csv", _bad_rows(tmp_path)))
-    with pytest.raises(DatasetError, match=r"data row 2 \(index 1\).*missing\.png: column 'image': file not found"):
+    message = r"data row 2 \(index 1\).*missing\.png: column 'image': file not found"
+    with pytest.raises(DatasetError, match=message):
         ds.source_files(1)
 
 
@@ -89,7 +90,8 @@ def test_two_media_cells_in_one_row_is_an_error(tmp_path):
     write_image(tmp_path / "a.png", 16, 16)
     ds = SampleDataset(write_metadata(tmp_path / "m.csv", [
         {"image": "a.png", "video": "a.png", "prompt": "p"}]))
-    with pytest.raises(DatasetError, match=r"exactly one media file in columns \['image', 'video'\], found image, video"):
+    message = r"exactly one media file in columns \['image', 'video'\], found image, video"
+    with pytest.raises(DatasetError, match=message):
         ds.load(0)
 
 
