@@ -46,7 +46,7 @@ def preprocess_flow(cfg: RunConfig) -> dict:
         logger.info("cache %s is complete: nothing to encode", final["url"])
     else:
         logger.info("cache %s: %s entries encoded, complete=%s", final["url"], encoded, final["complete"])
-    return {**final, "encoded": encoded}
+    return {**final, "encoded": encoded, "reused": sum(summary["reused"] for summary in summaries)}
 
 
 @flow(name="train", flow_run_name="train-{cfg.model.family}")

@@ -39,7 +39,10 @@ class TrainSummary:
         return asdict(self)
 
     def describe(self) -> str:
-        resumed = f" (resumed at step {self.resumed_from})" if self.resumed_from else ""
+        if self.resumed_from and self.resumed_from == self.steps:
+            resumed = " (already complete: nothing to train, exports rewritten)"
+        else:
+            resumed = f" (resumed at step {self.resumed_from})" if self.resumed_from else ""
         loss = f", last loss {self.final_loss:.4f}" if self.final_loss is not None else ""
         files = ", ".join(self.exports.values())
         return f"train: {self.steps} steps{resumed}{loss} in {self.seconds:.1f}s -> {files}"
