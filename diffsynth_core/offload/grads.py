@@ -1,0 +1,132 @@
+"""Gradients of host-resident trainable weights (optimizer offload) and data-parallel averaging.
+
+With optimizer offload a trainable weight lives on the host and is streamed in with its unit.  Its
+gradient is produced on the device by AccumulateGrad; the post-accumulate hook immediately queues a
+device->host copy on a side stream into a preallocated (pinned where possible) host buffer and drops
+the device gradient, so gradients never pile up on the device.  ``finish()`` (from ``after_backward``)
+waits for those copies and hands the host gradients to ``param.grad``, adding to what earlier
+micro-steps accumulated: gradient accumulation works like it does without offload.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .arena import HostArena, typed_view
+from .units import align_up
+
+
+class HostGradSink:
+    def __init__(self, params: list[nn.Parameter], device: torch.device, pin: bool):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        offsets, total = [], 0
+        for p in params:
+            offsets.append(total)
+            total = align_up(total + p.numel() * p.element_size())
+        self.arena = HostArena(total, pin)
+        self.acc = {id(p): typed_view(self.arena.buffer, off, p.dtype, p.shape) for p, off in zip(params, offsets)}
+        self.staging: dict[int, torch.Tensor] = {}  # only for accumulation across micro-steps
+        self.hidden: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}  # host grads set aside while on device
+        self.pending: dict[int, tuple[nn.Parameter, object, bool]] = {}
+        self.handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self.d2h_bytes = 0
+
+    def hide(self, p: nn.Parameter) -> None:
+        """Called before ``p`` moves to the device: a host ``.grad`` must not meet a device gradient."""
+        if p.grad is not None:
+            self.hidden[id(p)] = (p, p.grad)
+            p.grad = None
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        g = p.grad
+        p.grad = None
+        if id(p) in self.pending:  # a second backward before after_backward: fold the first one in
+            self.hidden[id(p)] = (p, self._fold(id(p)))
+        accumulate = id(p) in self.hidden
+        dst = self._staging(p) if accumulate else self.acc[id(p)]
+        if self.cuda:
+            produced = torch.cuda.current_stream(self.device).record_event()
+            with torch.cuda.stream(self.stream):
+                self.stream.wait_event(produced)
+                dst.copy_(g, non_blocking=True)
+                g.record_stream(self.stream)  # keep g's memory alive until the copy ran
+                done = self.stream.record_event()
+        else:
+            dst.copy_(g)
+            done = None
+        self.pending[id(p)] = (p, done, accumulate)
+        self.d2h_bytes += g.numel() * g.element_size()
+
+    def _staging(self, p: nn.Parameter) -> torch.Tensor:
+        buf = self.staging.get(id(p))
+        if buf is None:
+            buf = torch.empty(p.shape, dtype=p.dtype, pin_memory=self.arena.pinned)
+            self.staging[id(p)] = buf
+        return buf
+
+    def _fold(self, key: int) -> torch.Tensor:
+        """Wait for ``key``'s copy and return its host gradient (accumulated if needed)."""
+        _, done, accumulate = self.pending.pop(key)
+        if done is not None:
+            done.synchronize()
+        if accumulate:
+            _, host = self.hidden.pop(key)
+            return host.add_(self.staging[key])
+        return self.acc[key]
+
+    def finish(self) -> None:
+        """Every queued copy has landed and every host gradient is back in ``param.grad``.
+        Parameters must already point at their host masters (the manager evicts first)."""
+        for key in list(self.pending):
+            p = self.pending[key][0]
+            p.grad = self._fold(key)
+        for key in list(self.hidden):  # no new gradient this step: give the old one back
+            p, host = self.hidden.pop(key)
+            p.grad = host
+
+    def remove(self) -> None:
+        self.finish()
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+class GradAverager:
+    """Averages trainable gradients over the default process group, one flat bucket per
+    (device, dtype), so every rank applies the same update (data parallel without DDP)."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        self.world = dist.get_world_size()
+        self._gloo = None
+
+    def _group_for(self, device: torch.device):
+        if device.type == "cpu" and dist.get_backend() != "gloo":  # NCCL cannot reduce host tensors
+            if self._gloo is None:
+                self._gloo = dist.new_group(backend="gloo")
+            return self._gloo
+        return None
+
+    def broadcast_params(self) -> None:
+        for p in self.params:
+            dist.broadcast(p.data, src=0, group=self._group_for(p.device))
+
+    def average(self) -> None:
+        buckets: dict[tuple, list[nn.Parameter]] = {}
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)  # every rank must contribute the same shapes
+            buckets.setdefault((p.grad.device, p.grad.dtype), []).append(p)
+        for (device, _), ps in buckets.items():
+            flat = torch.cat([p.grad.reshape(-1) for p in ps])
+            dist.all_reduce(flat, group=self._group_for(device))
+            flat.div_(self.world)
+            off = 0
+            for p in ps:
+                n = p.grad.numel()
+                p.grad.copy_(flat[off:off + n].view_as(p.grad))
+                off += n

@@ -1,0 +1,43 @@
+"""Which units to prefetch: the execution order, learned from the previous step.
+
+Every use of a unit is a key ``(unit, phase)`` with phase ``F`` (forward), ``R`` (recompute inside
+backward) or ``B`` (backward).  We remember, for each key, the key that followed it last time; the
+prefetch window of a use is the next ``depth`` distinct units along that chain.  This learns forward
+order, reverse backward order, recompute order and repeated calls alike, and re-learns by itself
+when the order changes (a different code path, inference after training).
+"""
+
+from __future__ import annotations
+
+Key = tuple[int, str]
+
+
+class SuccessorSchedule:
+    def __init__(self) -> None:
+        self.next: dict[Key, Key] = {}
+        self.prev: Key | None = None
+
+    def observe(self, key: Key) -> None:
+        if self.prev is not None and self.prev != key:
+            self.next[self.prev] = key
+        self.prev = key
+
+    def end_step(self) -> None:
+        """No link from the last use of a step to the first of the next (nothing crosses a step)."""
+        self.prev = None
+
+    def window(self, key: Key, depth: int, streamed: set[int]) -> list[Key]:
+        """The next ``depth`` distinct streamed units after ``key`` (their first upcoming use)."""
+        out: list[Key] = []
+        seen = {key[0]}
+        cur = key
+        for _ in range(8 * depth + 16):  # a chain may revisit resident units; bound the walk
+            if len(out) >= depth:
+                break
+            cur = self.next.get(cur)
+            if cur is None or cur == key:
+                break
+            if cur[0] in streamed and cur[0] not in seen:
+                seen.add(cur[0])
+                out.append(cur)
+        return out

@@ -1,0 +1,140 @@
+"""Device slots and the copy engine: one host->device copy per unit, on a side stream, ordered by events.
+
+A slot is a preallocated device buffer big enough for the largest unit; a unit is *loaded* when its
+parameters' ``.data`` point into a slot and *evicted* when they point back at their host master
+(a pointer swap: frozen weights never travel device->host).  On CUDA the copy runs on a private
+stream that first waits for the slot's ``free`` event (the compute that last read the slot), and the
+compute stream waits for the unit's ``ready`` event before using it.  On a CPU target the same code
+runs with synchronous copies, which is what the CPU tests exercise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .arena import HostArena, typed_view
+from .units import Unit
+
+
+@dataclass
+class Slot:
+    index: int
+    buf: torch.Tensor  # uint8, compute layout
+    stage: torch.Tensor | None  # uint8, store layout (only when some unit casts on the device)
+    occupant: Unit | None = None
+    free_event: object | None = None  # torch.cuda.Event recorded when the occupant was evicted
+    last_use: int = 0
+    views: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+
+
+class Streamer:
+    def __init__(self, units: list[Unit], arena: HostArena, device: torch.device, n_slots: int,
+                 poison_evicted: bool = False):
+        self.device, self.arena, self.poison = device, arena, poison_evicted
+        self.cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.ready: dict[int, object] = {}  # unit index -> ready event (CUDA)
+        self.slot_of: dict[int, Slot] = {}
+        self.masters = {u.index: [typed_view(arena.buffer, u.host_offset + r.host_offset, r.store_dtype, r.shape)
+                                  for r in u.tensors] for u in units}
+        size = max((u.dev_bytes for u in units), default=0)
+        stage = max((u.host_bytes for u in units if u.casts), default=0)
+        self.slots = [Slot(i, torch.empty(size, dtype=torch.uint8, device=device),
+                           torch.empty(stage, dtype=torch.uint8, device=device) if stage else None)
+                      for i in range(n_slots if units else 0)]
+        self.clock = 0
+        self.copies = 0
+        self.bytes = 0
+
+    # --- binding -----------------------------------------------------------------------------
+    def bind_host(self, unit: Unit) -> None:
+        for rec, master in zip(unit.tensors, self.masters[unit.index]):
+            rec.param.data = master
+
+    def _views(self, slot: Slot, unit: Unit) -> list[torch.Tensor]:
+        views = slot.views.get(unit.index)
+        if views is None:
+            views = [typed_view(slot.buf, r.dev_offset, r.compute_dtype, r.shape) for r in unit.tensors]
+            slot.views[unit.index] = views
+        return views
+
+    # --- moves -------------------------------------------------------------------------------
+    def is_loaded(self, unit: Unit) -> bool:
+        return unit.index in self.slot_of
+
+    def loaded_units(self) -> list[Unit]:
+        return [s.occupant for s in self.slots if s.occupant is not None]
+
+    def load(self, unit: Unit, slot: Slot, on_bind=None) -> None:
+        """Copy ``unit`` into ``slot`` (asynchronously on CUDA) and point its parameters there."""
+        assert slot.occupant is None
+        views = self._views(slot, unit)
+        if on_bind is not None:
+            on_bind(unit)
+        if self.cuda:
+            with torch.cuda.stream(self.copy_stream):
+                if slot.free_event is not None:
+                    self.copy_stream.wait_event(slot.free_event)
+                self._copy(unit, slot, views)
+                self.ready[unit.index] = self.copy_stream.record_event()
+        else:
+            self._copy(unit, slot, views)
+        for rec, view in zip(unit.tensors, views):
+            rec.param.data = view
+        slot.occupant = unit
+        self.slot_of[unit.index] = slot
+        self.copies += 1
+        self.bytes += unit.host_bytes
+
+    def _copy(self, unit: Unit, slot: Slot, views: list[torch.Tensor]) -> None:
+        src = self.arena.region(unit.host_offset, unit.host_bytes)
+        if not unit.casts:  # identical layouts: one copy lands every tensor in place
+            slot.buf.narrow(0, 0, unit.host_bytes).copy_(src, non_blocking=True)
+            return
+        slot.stage.narrow(0, 0, unit.host_bytes).copy_(src, non_blocking=True)
+        for rec, view in zip(unit.tensors, views):  # widen e.g. fp8 storage to bf16 compute, on the device
+            view.copy_(typed_view(slot.stage, rec.host_offset, rec.store_dtype, rec.shape))
+
+    def wait_ready(self, unit: Unit) -> None:
+        """Make the current (compute) stream wait until ``unit``'s copy has landed."""
+        if self.cuda:
+            ev = self.ready.pop(unit.index, None)
+            if ev is not None:
+                torch.cuda.current_stream(self.device).wait_event(ev)
+        self.clock += 1
+        self.slot_of[unit.index].last_use = self.clock
+
+    def evict(self, slot: Slot) -> None:
+        """Point the occupant back at its host master; the slot may be overwritten once the compute
+        issued so far has run (``free_event``)."""
+        unit = slot.occupant
+        if unit is None:
+            return
+        if self.cuda:
+            # A copy that landed but was never used needs no wait: the next copy into this slot
+            # runs on the same copy stream, after it.
+            self.ready.pop(unit.index, None)
+            slot.free_event = torch.cuda.current_stream(self.device).record_event()
+        self.bind_host(unit)
+        if self.poison:  # debug: stale references to the slot now read NaN/garbage, loudly
+            slot.buf.fill_(255)
+        slot.occupant = None
+        del self.slot_of[unit.index]
+
+    def free_slot(self, keep: set[int]) -> Slot:
+        """An empty slot, else the least recently used one whose occupant is not in ``keep``."""
+        empty = [s for s in self.slots if s.occupant is None]
+        if empty:
+            return empty[0]
+        victims = [s for s in self.slots if s.occupant.index not in keep]
+        if not victims:
+            raise RuntimeError("offload: every device slot is pinned by the current window")
+        victim = min(victims, key=lambda s: s.last_use)
+        self.evict(victim)
+        return victim
+
+    def evict_all(self) -> None:
+        for slot in self.slots:
+            self.evict(slot)

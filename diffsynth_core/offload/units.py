@@ -1,0 +1,131 @@
+"""Partition a model into streamed units and resident leftovers.
+
+A *unit* is the smallest group of weights that is copied to the device in one piece: a child of
+one of the model's ModuleLists of blocks (``granularity="block"``) or a parameter-owning leaf
+module (``granularity="leaf"``).  Everything the units do not own exclusively (parameters shared
+between units, parameters owned by non-leaf modules outside units, all buffers) is *resident*:
+moved to the target device once at attach, because it may be read by code that fires no hook
+(a root ``forward`` reading ``scale_shift_table``, a buffer mutated in place, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+ALIGN = 64  # bytes; every tensor starts on a 64-byte boundary inside a unit's region
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(eq=False)
+class TensorRecord:
+    """One parameter of a unit: where its bytes live in the host region and in a device slot."""
+
+    param: nn.Parameter
+    shape: torch.Size
+    orig_dtype: torch.dtype
+    orig_device: torch.device
+    store_dtype: torch.dtype  # dtype in host memory (and in the H2D copy)
+    compute_dtype: torch.dtype  # dtype the forward sees
+    host_offset: int = 0  # into the unit's host region (store layout; also the staging layout)
+    dev_offset: int = 0  # into a device slot (compute layout)
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    @property
+    def trainable(self) -> bool:
+        return self.param.requires_grad
+
+    @property
+    def needs_cast(self) -> bool:
+        return self.store_dtype != self.compute_dtype
+
+
+@dataclass(eq=False)
+class Unit:
+    index: int
+    name: str
+    module: nn.Module
+    tensors: list[TensorRecord] = field(default_factory=list)
+    host_bytes: int = 0  # bytes in the host region (store layout)
+    dev_bytes: int = 0  # bytes in a device slot (compute layout)
+    host_offset: int = 0  # into the arena
+
+    def layout(self) -> None:
+        """Assign 64-byte aligned offsets: host (store dtype) and device (compute dtype) layouts.
+        Without casts the two layouts are identical, so one copy lands every tensor in place."""
+        host = dev = 0
+        for rec in self.tensors:
+            rec.host_offset = host
+            host = align_up(host + rec.numel * _itemsize(rec.store_dtype))
+            rec.dev_offset = dev
+            dev = align_up(dev + rec.numel * _itemsize(rec.compute_dtype))
+        self.host_bytes, self.dev_bytes = host, dev
+
+    @property
+    def casts(self) -> bool:
+        return any(rec.needs_cast for rec in self.tensors)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _resolve(model: nn.Module, dotted: str) -> nn.Module:
+    mod = model
+    for part in dotted.split("."):
+        if not hasattr(mod, part):
+            raise ValueError(f"block container {dotted!r} not found on {type(model).__name__} (missing {part!r})")
+        mod = getattr(mod, part)
+    if not isinstance(mod, (nn.ModuleList, nn.Sequential)):
+        raise ValueError(f"block container {dotted!r} is a {type(mod).__name__}, expected nn.ModuleList/Sequential")
+    return mod
+
+
+def find_block_containers(model: nn.Module, names: tuple[str, ...] | list[str] | None) -> list[tuple[str, nn.Module]]:
+    """Named containers whose children are the blocks.  ``None`` auto-detects: the outermost
+    ModuleLists/Sequentials with at least two children that own parameters."""
+    if names is not None:
+        return [(n, _resolve(model, n)) for n in names]
+    found: list[tuple[str, nn.Module]] = []
+    inside: set[str] = set()
+    for name, mod in model.named_modules():
+        if any(name.startswith(p + ".") for p in inside):
+            continue
+        if isinstance(mod, (nn.ModuleList, nn.Sequential)):
+            with_params = [c for c in mod.children() if next(c.parameters(), None) is not None]
+            if len(with_params) >= 2:
+                found.append((name, mod))
+                inside.add(name)
+    return found
+
+
+def candidate_modules(model: nn.Module, granularity: str, block_container_names) -> list[tuple[str, nn.Module]]:
+    """Modules that become units, in registration order (a first guess at execution order)."""
+    if granularity == "block":
+        containers = find_block_containers(model, block_container_names)
+        if containers:
+            return [(f"{cname}.{i}" if cname else str(i), child)
+                    for cname, cont in containers for i, child in enumerate(cont.children())]
+        granularity = "leaf"  # no blocks to speak of (e.g. a plain MLP): stream its leaves
+    if granularity != "leaf":
+        raise ValueError(f"granularity must be 'block' or 'leaf', got {granularity!r}")
+    return [(n, m) for n, m in model.named_modules()
+            if not any(True for _ in m.children()) and any(True for _ in m.parameters(recurse=False))]
+
+
+def owners_of(model: nn.Module) -> dict[int, int]:
+    """How many (module, attribute) slots hold each parameter, across the whole model."""
+    counts: dict[int, int] = {}
+    for mod in model.modules():
+        for p in mod._parameters.values():
+            if p is not None:
+                counts[id(p)] = counts.get(id(p), 0) + 1
+    return counts
