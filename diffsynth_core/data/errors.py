@@ -22,6 +22,10 @@ class DatasetError(ValueError):
         self.file = None if file is None else str(file)
         super().__init__(self._format())
 
+    def __reduce__(self):
+        # Keep the parts across pickling (DataLoader workers, multiprocessing pools).
+        return _rebuild, (self.reason, self.metadata, self.row, self.file)
+
     def _format(self) -> str:
         where = []
         if self.metadata is not None:
@@ -31,3 +35,7 @@ class DatasetError(ValueError):
         if self.file is not None:
             where.append(f"file {self.file}")
         return f"{', '.join(where)}: {self.reason}" if where else self.reason
+
+
+def _rebuild(reason: str, metadata: str | None, row: int | None, file: str | None) -> DatasetError:
+    return DatasetError(reason, metadata=metadata, row=row, file=file)

@@ -103,3 +103,13 @@ def test_list_and_url_cells_are_errors(tmp_path):
         ds.load(0)
     with pytest.raises(DatasetError, match="URLs are not supported"):
         ds.load(1)
+
+
+def test_error_keeps_its_parts_across_pickling(tmp_path):
+    import pickle
+
+    error = DatasetError("file not found", metadata=tmp_path / "m.csv", row=4, file="a.png")
+    copy = pickle.loads(pickle.dumps(error))
+    assert (copy.reason, copy.metadata, copy.row, copy.file, str(copy)) == (
+        error.reason, error.metadata, 4, "a.png", str(error))
+    assert str(error) == f"{tmp_path / 'm.csv'}, data row 5 (index 4), file a.png: file not found"
