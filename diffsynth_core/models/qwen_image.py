@@ -19,6 +19,7 @@ import torch
 
 from . import lora_export, single_file, tiny_tokenizers
 from .base import Components, FamilySpec
+from .inputs import check_pixels
 from .loading import load_components as _load_components
 from .loading import module_dtype
 
@@ -106,19 +107,9 @@ def encode_prompt(components: Components, prompt: str, device: str, *,
     return {"prompt_embeds": embeds[0], "prompt_embeds_mask": mask[0]}
 
 
-def _check_pixels(pixels: torch.Tensor, frames: int | None = 1) -> None:
-    if pixels.ndim != 4 or pixels.shape[0] != 3:
-        raise ValueError(f"pixels must be (3, F, H, W), got {tuple(pixels.shape)}")
-    if frames is not None and pixels.shape[1] != frames:
-        raise ValueError(f"this image family takes F == {frames} frame(s), got pixels {tuple(pixels.shape)}")
-    multiple = VAE_SCALE * PATCH
-    if pixels.shape[2] % multiple or pixels.shape[3] % multiple:
-        raise ValueError(f"pixel height and width must be multiples of {multiple}, got {tuple(pixels.shape[2:])}")
-
-
 def encode_pixels(components: Components, pixels: torch.Tensor, device: str) -> dict[str, torch.Tensor]:
     """VAE posterior mode, normalised per channel: ``(16, 1, H/8, W/8)``."""
-    _check_pixels(pixels)
+    check_pixels(pixels, multiple=VAE_SCALE * PATCH, image_only=True)
     vae = components["vae"]
     with torch.no_grad():
         z = vae.encode(pixels[None].to(device=device, dtype=vae.dtype)).latent_dist.mode()

@@ -66,7 +66,11 @@ def load_transformer_file(model_cls: type, file: Path, config_dir: Path, dtype: 
     expected = set(model.state_dict())
     state_dict = strip_prefixes(load_file(str(file)))
     if convert is not None and not set(state_dict) <= expected:
-        state_dict = convert(state_dict)
+        try:
+            state_dict = convert(state_dict)
+        except (KeyError, IndexError, ValueError, RuntimeError) as exc:
+            raise ValueError(f"{file}: keys are neither this transformer's diffusers names nor the original "
+                             f"checkpoint names its converter knows ({type(exc).__name__}: {exc})") from exc
     _check_keys(file, expected, set(state_dict))
     keep_fp32 = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
     state_dict = {k: v.to(_target_dtype(k, dtype, keep_fp32)) for k, v in state_dict.items()}

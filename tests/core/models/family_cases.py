@@ -45,7 +45,29 @@ def _qwen_prompt(pipe, prompt):
     return {"prompt_embeds": embeds[0], "prompt_embeds_mask": mask[0]}
 
 
+def _flux_inputs(pipe, kw, out):
+    ids = kw["img_ids"]
+    h, w = int(ids[:, 1].max()) + 1, int(ids[:, 2].max()) + 1
+    unpack = functools.partial(pipe._unpack_latents, height=h * 16, width=w * 16, vae_scale_factor=8)
+    cond = {"prompt_embeds": kw["encoder_hidden_states"], "pooled_prompt_embeds": kw["pooled_projections"]}
+    if pipe.transformer.config.guidance_embeds:
+        assert torch.equal(kw["guidance"], torch.full_like(kw["guidance"], 3.5))
+    else:
+        assert kw["guidance"] is None
+    return unpack(kw["hidden_states"])[:, :, None], kw["timestep"], cond, unpack(out)[:, :, None]
+
+
+def _flux_prompt(pipe, prompt):
+    embeds, pooled, _ = pipe.encode_prompt(prompt, prompt_2=None, max_sequence_length=pipe.tokenizer_2.model_max_length)
+    return {"prompt_embeds": embeds[0], "pooled_prompt_embeds": pooled[0]}
+
+
 CASES = [
     FamilyCase("qwen_image", "qwen_image", (3, 1, 64, 96),
                dict(height=64, width=96, num_inference_steps=2), _qwen_inputs, _qwen_prompt),
+    FamilyCase("flux_dev", "flux", (3, 1, 64, 96), dict(height=64, width=96, num_inference_steps=2,
+               max_sequence_length=32), _flux_inputs, _flux_prompt),
+    FamilyCase("flux_schnell", "flux", (3, 1, 64, 64), dict(height=64, width=64, num_inference_steps=2,
+               guidance_scale=0.0, max_sequence_length=32), _flux_inputs, _flux_prompt,
+               tiny_kwargs={"guidance_embeds": False}),
 ]

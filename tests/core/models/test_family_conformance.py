@@ -118,7 +118,8 @@ def test_single_file_with_foreign_weights_names_the_problem(spec, tiny_dir, tmp_
 def test_encode_prompt_matches_the_pipeline(case, spec, tiny_dir, components):
     pipe = _pipeline(spec, tiny_dir)
     ours = spec.encode_prompt(components, PROMPT, "cpu")
-    theirs = case.pipeline_prompt(pipe, PROMPT)
+    with torch.no_grad():  # T5 takes other kernels with autograd on (differences of 1e-7)
+        theirs = case.pipeline_prompt(pipe, PROMPT)
     assert set(ours) == set(theirs)
     for key, value in ours.items():
         assert not value.requires_grad
@@ -131,7 +132,9 @@ def test_encode_pixels_is_the_normalised_posterior_mode(case, spec, tiny_dir, co
     assert not latents.requires_grad
     assert torch.equal(latents, spec.encode_pixels(components, pixels, "cpu")["latents"])  # deterministic
     pipe = _pipeline(spec, tiny_dir)
-    raw = pipe.vae.encode(pixels[None]).latent_dist.mode()
+    video_vae = "z_dim" in pipe.vae.config  # Qwen-Image/Wan VAEs take (B, C, F, H, W)
+    with torch.no_grad():
+        raw = pipe.vae.encode(pixels[None] if video_vae else pixels[:, 0][None]).latent_dist.mode()
     # Invert with the formula the pipeline's decode step uses: back to the raw VAE latent.
     assert torch.allclose(_denormalise(pipe, latents[None]), raw.reshape(_denormalise(pipe, latents[None]).shape),
                           atol=1e-5)

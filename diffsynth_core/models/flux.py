@@ -1,0 +1,191 @@
+"""FLUX.1 dev and schnell (text-to-image): ``FluxPipeline`` components.
+
+Conventions (diffusers 0.42):
+* prompt: T5 last hidden state padded to ``max_sequence_length`` -> ``prompt_embeds (L, D)`` and
+  CLIP's pooled output -> ``pooled_prompt_embeds (D_clip,)``.  ``L`` defaults to 512 capped by the
+  T5 tokenizer's ``model_max_length`` (32 for the tiny model).
+* pixels ``(3, 1, H, W)`` -> ``latents (16, 1, H/8, W/8)``: the VAE posterior **mode** (mean),
+  normalised ``(z - shift_factor) * scaling_factor``, in the VAE's dtype.  The frame axis is kept so
+  every family caches ``(C, F, h, w)``.
+* DiT: latents packed 2x2 into ``(B, h/2*w/2, 64)`` with ``img_ids`` ``[0, row, col]`` and zero
+  ``txt_ids``; ``timestep = sigma`` (x1000 inside); dev (``guidance_embeds=True``) gets
+  ``guidance = 3.5`` (x1000 inside), schnell none.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from . import lora_export, single_file, tiny_tokenizers
+from .base import Components, FamilySpec
+from .inputs import check_pixels
+from .loading import load_components as _load_components
+from .loading import module_dtype
+
+PIPELINE_CLASS = "FluxPipeline"
+ENCODER_COMPONENTS = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "vae")
+DEFAULT_MAX_SEQUENCE_LENGTH = 512
+TRAIN_GUIDANCE = 3.5  # what the diffusers FLUX-dev LoRA script feeds the guidance embedder
+VAE_SCALE = 8
+PATCH = 2
+
+# Released scheduler configs: dev shifts dynamically with resolution, schnell is unshifted.
+DEV_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096, max_shift=1.15,
+                     num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True)
+SCHNELL_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096, max_shift=1.15,
+                         num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False)
+
+
+def _pipeline_cls():
+    from diffusers import FluxPipeline
+
+    return FluxPipeline
+
+
+# --- tiny model --------------------------------------------------------------------------
+
+def _tiny_text_encoders(clip_tok, t5_tok):
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    clip = CLIPTextModel(CLIPTextConfig(
+        vocab_size=len(clip_tok), hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=77, projection_dim=32, bos_token_id=0, eos_token_id=1, pad_token_id=1))
+    t5 = T5EncoderModel(T5Config(
+        vocab_size=len(t5_tok), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        feed_forward_proj="gated-gelu", relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1))
+    return clip, t5
+
+
+def save_tiny_model(out_dir: Path, seed: int = 0, *, guidance_embeds: bool = True) -> Path:
+    """Tiny random FLUX.1 in the diffusers layout; ``guidance_embeds=False`` gives a schnell-style model."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+
+    clip_tok, t5_tok = tiny_tokenizers.clip_tokenizer(), tiny_tokenizers.t5_tokenizer()
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        clip, t5 = _tiny_text_encoders(clip_tok, t5_tok)
+        vae = AutoencoderKL(
+            in_channels=3, out_channels=3, latent_channels=16, down_block_types=["DownEncoderBlock2D"] * 4,
+            up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=[8, 16, 32, 32], layers_per_block=1,
+            norm_num_groups=8, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False,
+            use_post_quant_conv=False)
+        transformer = FluxTransformer2DModel(
+            patch_size=1, in_channels=64, num_layers=1, num_single_layers=2, attention_head_dim=32,
+            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+            guidance_embeds=guidance_embeds, axes_dims_rope=(8, 12, 12))
+    scheduler = FlowMatchEulerDiscreteScheduler(**(DEV_SCHEDULER if guidance_embeds else SCHNELL_SCHEDULER))
+    pipe = _pipeline_cls()(scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=clip_tok,
+                           text_encoder_2=t5, tokenizer_2=t5_tok, transformer=transformer)
+    pipe.save_pretrained(out_dir)
+    return Path(out_dir)
+
+
+# --- loading -------------------------------------------------------------------------------
+
+def load_components(path: Path, names: tuple[str, ...], dtype: torch.dtype, device: str) -> Components:
+    return _load_components(path, names, dtype, device, allowed=ENCODER_COMPONENTS + ("transformer",))
+
+
+def _convert_bfl(state_dict: single_file.StateDict) -> single_file.StateDict:
+    """Original BFL names (double_blocks.N.img_attn.qkv ...) -> diffusers, with diffusers' converter.
+
+    That converter hard-codes FLUX.1's width (inner_dim 3072), so it serves the released models only.
+    """
+    from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
+
+    return convert_flux_transformer_checkpoint_to_diffusers(dict(state_dict))
+
+
+def load_transformer_file(file: Path, config_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
+    from diffusers import FluxTransformer2DModel
+
+    return single_file.load_transformer_file(FluxTransformer2DModel, file, config_dir, dtype, convert=_convert_bfl)
+
+
+# --- encoding ------------------------------------------------------------------------------
+
+def encode_prompt(components: Components, prompt: str, device: str, *,
+                  max_sequence_length: int | None = None) -> dict[str, torch.Tensor]:
+    """``FluxPipeline.encode_prompt`` for one prompt (T5 padded to the max length), no batch dim."""
+    tokenizer_2 = components["tokenizer_2"]
+    if max_sequence_length is None:
+        max_sequence_length = min(DEFAULT_MAX_SEQUENCE_LENGTH, tokenizer_2.model_max_length)
+    pipe = _pipeline_cls()(scheduler=None, vae=None, text_encoder=components["text_encoder"],
+                           tokenizer=components["tokenizer"], text_encoder_2=components["text_encoder_2"],
+                           tokenizer_2=tokenizer_2, transformer=None)
+    with torch.no_grad():
+        embeds, pooled, _ = pipe.encode_prompt(prompt, prompt_2=None, device=torch.device(device),
+                                               max_sequence_length=max_sequence_length)
+    return {"prompt_embeds": embeds[0], "pooled_prompt_embeds": pooled[0]}
+
+
+def encode_pixels(components: Components, pixels: torch.Tensor, device: str) -> dict[str, torch.Tensor]:
+    """VAE posterior mode, ``(z - shift) * scale``: ``(16, 1, H/8, W/8)``."""
+    check_pixels(pixels, multiple=VAE_SCALE * PATCH, image_only=True)
+    vae = components["vae"]
+    with torch.no_grad():
+        z = vae.encode(pixels[:, 0][None].to(device=device, dtype=vae.dtype)).latent_dist.mode()
+    latents = (z.float() - vae.config.shift_factor) * vae.config.scaling_factor
+    return {"latents": latents.to(vae.dtype)[0][:, None]}
+
+
+# --- training forward ------------------------------------------------------------------------
+
+def dit_forward(transformer: torch.nn.Module, latents: torch.Tensor, sigmas: torch.Tensor,
+                cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Velocity prediction ``(B, 16, 1, h, w)`` for latents ``(B, 16, 1, h, w)``."""
+    pipe_cls = _pipeline_cls()
+    b, c, f, h, w = latents.shape
+    if f != 1:
+        raise ValueError(f"FLUX latents must have one frame, got shape {tuple(latents.shape)}")
+    dtype, device = module_dtype(transformer), latents.device
+    packed = pipe_cls._pack_latents(latents[:, :, 0].to(dtype), b, c, h, w)
+    embeds = cond["prompt_embeds"].to(dtype)
+    guidance = None
+    if transformer.config.guidance_embeds:
+        guidance = torch.full((b,), TRAIN_GUIDANCE, device=device, dtype=torch.float32)
+    out = transformer(
+        hidden_states=packed, timestep=sigmas.to(dtype), guidance=guidance,
+        pooled_projections=cond["pooled_prompt_embeds"].to(dtype), encoder_hidden_states=embeds,
+        txt_ids=torch.zeros(embeds.shape[1], 3, device=device, dtype=dtype),
+        img_ids=pipe_cls._prepare_latent_image_ids(b, h // PATCH, w // PATCH, device, dtype), return_dict=False,
+    )[0]
+    return pipe_cls._unpack_latents(out, h * VAE_SCALE, w * VAE_SCALE, VAE_SCALE)[:, :, None]
+
+
+# --- LoRA export -----------------------------------------------------------------------------
+
+def export_lora(peft_state_dict: dict[str, torch.Tensor], lora_config: dict[str, Any], out_dir: Path) -> dict[str, Path]:
+    """diffusers file always; a ComfyUI file (``transformer.<name>`` + ``.alpha``) only when alpha != r:
+    ComfyUI maps the diffusers FLUX names onto its fused qkv itself but ignores the header's alpha."""
+    paths = {"diffusers": lora_export.save_diffusers_lora(_pipeline_cls(), peft_state_dict, lora_config, out_dir)}
+    if lora_export.needs_alpha_tensors(lora_config):
+        sd = lora_export.comfy_state_dict(peft_state_dict, lora_config, lambda m: "transformer." + m)
+        paths["comfyui"] = lora_export.save_comfy_lora(sd, lora_config, out_dir)
+    return paths
+
+
+SPEC = FamilySpec(
+    name="flux",
+    encoder_components=ENCODER_COMPONENTS,
+    transformer_component="transformer",
+    block_container_names=("transformer_blocks", "single_transformer_blocks"),
+    # The diffusers FLUX LoRA script's defaults (single blocks get attn.to_q/k/v through the suffix match).
+    lora_target_modules=("attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj",
+                         "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2",
+                         "ff_context.net.0.proj", "ff_context.net.2"),
+    frame_multiple=1,
+    load_components=load_components,
+    load_transformer_file=load_transformer_file,
+    encode_prompt=encode_prompt,
+    encode_pixels=encode_pixels,
+    dit_forward=dit_forward,
+    export_lora=export_lora,
+    save_tiny_model=save_tiny_model,
+    pipeline_class_name=PIPELINE_CLASS,
+    extras={"latent_channels": 16, "vae_scale_factor": VAE_SCALE, "pixel_multiple": VAE_SCALE * PATCH,
+            "default_max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH, "train_guidance": TRAIN_GUIDANCE},
+)

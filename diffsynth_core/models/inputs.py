@@ -1,0 +1,21 @@
+"""Input checks shared by the families (clear errors instead of shape mismatches deep in a VAE)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_pixels(pixels: torch.Tensor, *, multiple: int, frame_multiple: int = 1, image_only: bool = False) -> None:
+    """Pixels must be ``(3, F, H, W)`` with H, W multiples of ``multiple``.
+
+    ``image_only``: F must be 1.  Otherwise F must be ``frame_multiple * k + 1`` (Wan: 4k+1).
+    """
+    if pixels.ndim != 4 or pixels.shape[0] != 3:
+        raise ValueError(f"pixels must be (3, F, H, W), got {tuple(pixels.shape)}")
+    frames, height, width = pixels.shape[1:]
+    if image_only and frames != 1:
+        raise ValueError(f"this image family takes one frame, got pixels {tuple(pixels.shape)}")
+    if (frames - 1) % frame_multiple:
+        raise ValueError(f"frame count must be {frame_multiple}k+1, got {frames}")
+    if height % multiple or width % multiple:
+        raise ValueError(f"pixel height and width must be multiples of {multiple}, got {height}x{width}")
