@@ -1,0 +1,132 @@
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from cache_store import IncompleteCacheError, open_cache
+from diffsynth_core.data import DatasetError
+from stages import preprocess
+
+
+def _rewrite_metadata(cfg, edit):
+    path = cfg.dataset.metadata_path
+    with open(path, newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    rows = edit(rows)
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["image", "prompt"])
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _entries(url):
+    store = open_cache(url, mode="r")
+    return {key: store.get(key) for key in store.require_complete()}
+
+
+def test_rerun_encodes_nothing_and_a_changed_caption_reencodes_one_entry(make_config):
+    cfg = make_config()
+    first = preprocess.run(cfg)
+    assert (first.encoded, first.reused, first.complete) == (16, 0, True)
+    assert preprocess.run(cfg).encoded == 0
+
+    _rewrite_metadata(cfg, lambda rows: [dict(r, prompt="a new caption") if i == 3 else r for i, r in enumerate(rows)])
+    changed = preprocess.run(cfg)
+    assert (changed.encoded, changed.reused) == (1, 15)
+
+
+def test_removed_rows_are_not_trained_on(make_config):
+    cfg = make_config()
+    preprocess.run(cfg)
+    _rewrite_metadata(cfg, lambda rows: rows[:10])
+    summary = preprocess.run(cfg)
+    assert summary.encoded == 0 and summary.complete
+    store = open_cache(cfg.cache_url, mode="r")
+    assert len(store.require_complete()) == 10 and len(store.keys()) == 16
+
+
+def test_parts_fill_one_cache_and_changing_the_part_count_reencodes_nothing(make_config):
+    cfg = make_config("preprocess.parts=3")
+    encoded = sum(preprocess.run(cfg, part).encoded for part in range(3))
+    assert encoded == 16 and preprocess.finalize(cfg).complete
+    regrouped = make_config("preprocess.parts=2")
+    assert sum(preprocess.run(regrouped, part).encoded for part in range(2)) == 0
+
+
+def test_training_refuses_an_incomplete_cache_with_the_missing_count(make_config):
+    cfg = make_config("preprocess.parts=2")
+    preprocess.run(cfg, 0)
+    preprocess.finalize(cfg)
+    with pytest.raises(IncompleteCacheError, match="8 of 16"):
+        open_cache(cfg.cache_url, mode="r").require_complete()
+
+
+def test_missing_image_is_an_error_naming_file_and_row_and_nothing_written_is_lost(make_config):
+    cfg = make_config()
+    preprocess.run(cfg)
+    before = sorted(open_cache(cfg.cache_url, mode="r").keys())
+    _rewrite_metadata(cfg, lambda rows: rows + [{"image": "missing.png", "prompt": "ghost"}])
+    with pytest.raises(DatasetError, match="missing.png") as err:
+        preprocess.run(cfg)
+    assert "row" in str(err.value)
+    assert sorted(open_cache(cfg.cache_url, mode="r").keys()) == before
+
+
+def test_bad_rows_are_skipped_and_reported_when_asked(make_config):
+    cfg = make_config("dataset.skip_bad_samples=true")
+    (tmp := cfg.dataset.base_path) and open(os.path.join(tmp, "broken.png"), "wb").write(b"not a png")
+    _rewrite_metadata(cfg, lambda rows: rows + [{"image": "broken.png", "prompt": "broken"}])
+    summary = preprocess.run(cfg)
+    assert summary.encoded == 16 and summary.complete
+    assert [item["row"] for item in summary.skipped] == [16] and "broken.png" in summary.skipped[0]["reason"]
+
+
+KILLABLE = """
+import sys, time
+from stages import preprocess
+from stages.demo import demo_config
+import diffsynth_core.models.qwen_image as family
+encode = family.SPEC.encode_pixels
+def slow_encode(*args, **kwargs):
+    time.sleep(0.15)  # widen the window so the kill lands mid-run
+    return encode(*args, **kwargs)
+object.__setattr__(family.SPEC, "encode_pixels", slow_encode)
+preprocess.run(demo_config(__import__("pathlib").Path(sys.argv[1]), overrides=sys.argv[2:]))
+"""
+
+
+def test_a_sigkilled_preprocess_resumes_to_the_same_cache_bit_for_bit(make_config, tmp_path):
+    overrides = ["preprocess.commit_every=2"]
+    cfg = make_config(*overrides)
+    args = [f"dataset.base_path={cfg.dataset.base_path}", f"dataset.metadata_path={cfg.dataset.metadata_path}",
+            f"model.path={cfg.model.path}", f"cache.url={cfg.cache_url}", f"output.path={cfg.output.path}",
+            "preprocess.parts=1", *overrides]
+    proc = subprocess.Popen([sys.executable, "-c", KILLABLE, str(tmp_path), *args], cwd=os.getcwd())
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            if len(open_cache(cfg.cache_url, mode="r").keys()) >= 4:
+                break
+        except (FileNotFoundError, Exception):
+            pass
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    partial = len(open_cache(cfg.cache_url, mode="r").keys())
+    assert 4 <= partial < 16, partial
+
+    resumed = preprocess.run(cfg)
+    assert resumed.encoded == 16 - partial and resumed.complete
+    reference = make_config(*overrides, f"cache.url={tmp_path / 'reference.zarr'}")
+    preprocess.run(reference)
+    got, expected = _entries(cfg.cache_url), _entries(reference.cache_url)
+    assert got.keys() == expected.keys()
+    for key in expected:
+        for name, tensor in expected[key].items():
+            if isinstance(tensor, torch.Tensor):
+                assert torch.equal(got[key][name], tensor), (key, name)
