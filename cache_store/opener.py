@@ -44,7 +44,10 @@ def looks_like_diffsynth(root: Root) -> bool:
 
 
 def _create_header(root: Root, backend: str | None, fingerprint: str | None) -> None:
-    if root.listdir(""):
+    present = [n for n in root.listdir("") if not n.endswith(".partial")]  # a racing creator's temp
+    if HEADER in present:
+        return  # a concurrent writer created the cache since we looked
+    if present:
         hint = (" It looks like a DiffSynth-Studio cache: convert it with "
                 "cache_store.diffsynth.import_diffsynth_cache." if looks_like_diffsynth(root) else "")
         raise CacheFormatError(f"cache {root.url}: folder exists and is not a splitflow cache "
