@@ -1,0 +1,63 @@
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from cache_store import IncompleteCacheError
+from diffsynth_core.training.metrics import read_metrics
+from stages import preprocess, train
+
+RUN_TRAIN = """
+import sys
+from pathlib import Path
+from stages import train
+from stages.demo import demo_config
+train.run(demo_config(Path(sys.argv[1]), overrides=sys.argv[2:]))
+"""
+
+
+def _overrides(cfg, *extra):
+    return [f"dataset.base_path={cfg.dataset.base_path}", f"dataset.metadata_path={cfg.dataset.metadata_path}",
+            f"model.path={cfg.model.path}", f"cache.url={cfg.cache_url}", f"output.path={cfg.output.path}", *extra]
+
+
+def test_train_refuses_an_incomplete_cache(make_config):
+    cfg = make_config("preprocess.parts=2")
+    preprocess.run(cfg, 0)
+    preprocess.finalize(cfg)
+    with pytest.raises(IncompleteCacheError, match="missing"):
+        train.run(cfg)
+    assert not (cfg.output_dir / "checkpoints").exists()  # refused before any work
+
+
+def test_a_sigkilled_training_resumes_to_the_same_lora_bit_for_bit(make_config, tmp_path):
+    steps = ["train.max_steps=40", "train.save_steps=5"]
+    cfg = make_config(*steps)
+    preprocess.run(cfg)
+    reference = make_config(*steps, f"output.path={tmp_path / 'reference'}")
+    train.run(reference)
+
+    proc = subprocess.Popen([sys.executable, "-c", RUN_TRAIN, str(tmp_path), *_overrides(cfg, *steps)],
+                            cwd=os.getcwd(), stderr=subprocess.DEVNULL)
+    latest = cfg.output_dir / "checkpoints" / "latest"
+    deadline = time.time() + 120
+    while not latest.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = int(latest.read_text().strip().split("-")[1])
+    assert 5 <= killed_at < 40, killed_at
+
+    summary = train.run(cfg)
+    assert summary.resumed_from == killed_at and summary.steps == 40
+    got = load_file(str(cfg.output_dir / "lora.safetensors"))
+    expected = load_file(str(reference.output_dir / "lora.safetensors"))
+    assert got.keys() == expected.keys()
+    assert all(got[k].equal(expected[k]) for k in expected)
+    rows = read_metrics(cfg.output_dir / "metrics.csv")
+    assert [int(r["step"]) for r in rows] == list(range(1, 41))
+    assert [r["loss"] for r in rows] == [r["loss"] for r in read_metrics(reference.output_dir / "metrics.csv")]
