@@ -81,12 +81,12 @@ def _rows_of_part(plan: Plan, part: int | None, parts: int) -> list[int]:
     return unique
 
 
-def _encode_row(plan: Plan, components, row: int, device: torch.device) -> dict | None:
+def _encode_row(plan: Plan, components, row: int, device: torch.device, prompt_options: dict) -> dict | None:
     sample = plan.dataset.load(row)
     if sample is None:
         return None
     prompt = str(sample.fields.get("prompt", ""))
-    entry = dict(plan.spec.encode_prompt(components, prompt, str(device)))
+    entry = dict(plan.spec.encode_prompt(components, prompt, str(device), **prompt_options))
     entry.update(plan.spec.encode_pixels(components, sample.pixels, str(device)))
     entry = {k: v.detach().cpu() for k, v in entry.items()}
     entry["meta"] = {"row": row, "prompt": prompt, "height": sample.height, "width": sample.width,
@@ -135,11 +135,13 @@ def _encode_rows(cfg: RunConfig, plan: Plan, store, rows: list[int]) -> tuple[in
 
     device = resolve_device(cfg.preprocess.device)
     components, managers = _load_encoders(cfg, plan.spec, device)
+    max_length = cfg.preprocess.max_sequence_length
+    prompt_options = {"max_sequence_length": max_length} if max_length else {}
     encoded, skipped = 0, []
     try:
         with torch.no_grad():
             for row in tqdm(rows, desc="preprocess", unit="sample"):
-                entry = _encode_row(plan, components, row, device)
+                entry = _encode_row(plan, components, row, device, prompt_options)
                 if entry is None:
                     skipped.append({"row": row, "key": plan.keys[row]})
                     continue
