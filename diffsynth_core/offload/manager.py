@@ -57,13 +57,21 @@ class OffloadTrainingManager:
     trainable gradients over ranks.  Inference under ``torch.no_grad()`` works while attached.
     ``detach()`` removes every hook and gives back the model with real weights on their original
     devices.  ``cpu_offload_split_threshold`` (MB, reference API) switches to ``"leaf"`` units.
+
+    Other options: ``trainable_dtype=torch.float32`` upcasts device-resident trainable parameters
+    (LoRA adapters injected into a bf16 base) at attach; they stay in that dtype after ``detach``
+    (peft casts the adapter input, so the forward keeps working).  ``data_parallel`` (``None`` =
+    on when torch.distributed has several ranks) broadcasts rank 0's trainable weights at attach and
+    averages gradients in ``after_backward``.  ``poison_evicted`` (debug) fills a slot with garbage
+    after each eviction, so a stale reference to evicted weights shows up as NaN.
     """
 
     def __init__(self, model: nn.Module, target_device, enable_optimizer_cpu_offload: bool = False,
                  cpu_offload_split_threshold: float | None = None, *, block_container_names=None,
                  granularity: str = "block", prefetch: int = 1, vram_budget_gb: float = 0.0,
                  storage_dtype: torch.dtype | None = None, pin_memory: bool | None = None,
-                 data_parallel: bool | None = None, poison_evicted: bool = False):
+                 trainable_dtype: torch.dtype | None = None, data_parallel: bool | None = None,
+                 poison_evicted: bool = False):
         if getattr(model, _MARK, None) is not None:
             raise RuntimeError("an OffloadTrainingManager is already attached to this model; detach() it first")
         if prefetch < 0:
@@ -79,7 +87,8 @@ class OffloadTrainingManager:
         self.optimizer_offload = enable_optimizer_cpu_offload
         pin = self.device.type == "cuda" if pin_memory is None else pin_memory
         self.plan: Plan = build_plan(model, self.device, granularity, block_container_names,
-                                     enable_optimizer_cpu_offload, storage_dtype, vram_budget_gb)
+                                     enable_optimizer_cpu_offload, storage_dtype, vram_budget_gb,
+                                     trainable_dtype)
         self.plan.move_resident()
         self.arena = HostArena(self.plan.arena_bytes, pin)
         self.plan.fill_arena(self.arena)
@@ -90,6 +99,8 @@ class OffloadTrainingManager:
         self.plan.load_budget_units(self.arena)
         self.sched = SuccessorSchedule()
         self._streamed_ids = {u.index for u in self.plan.streamed}
+        self._order: list[int] = []  # streamed units in the order their forward first ran this step
+        self._order_seen: set[int] = set()
         self._by_index = {u.index: u for u in self.plan.units}
         self.grad_sink = (HostGradSink(self.plan.host_trainable, self.device, pin)
                           if self.plan.host_trainable else None)
@@ -145,17 +156,21 @@ class OffloadTrainingManager:
         keep = {unit.index} | {k[0] for k in window}
         streamer = self.streamer
         if unit.index in self._streamed_ids:
+            if phase == "F" and unit.index not in self._order_seen:
+                self._order_seen.add(unit.index)
+                self._order.append(unit.index)
             if not streamer.is_loaded(unit):
-                self._load(unit, phase, keep)
+                self._load(unit, phase, streamer.home_slot(unit))
             streamer.wait_ready(unit)
-        for k in window:
+        for k in window:  # prefetch, unless the home slot holds a unit still needed sooner
             nxt = self._by_index[k[0]]
             if not streamer.is_loaded(nxt):
-                self._load(nxt, k[1], keep)
+                slot = streamer.home_slot(nxt, keep)
+                if slot is not None:
+                    self._load(nxt, k[1], slot)
         self.stats["max_loaded"] = max(self.stats["max_loaded"], len(streamer.slot_of))
 
-    def _load(self, unit, phase: str, keep: set[int]) -> None:
-        slot = self.streamer.free_slot(keep)
+    def _load(self, unit, phase: str, slot) -> None:
         self.streamer.load(unit, slot, self._hide_grads if self.grad_sink else None)
         p = "F" if phase == "F" else "B"
         self.stats["loads"][p] += 1
@@ -170,10 +185,7 @@ class OffloadTrainingManager:
     def after_backward(self) -> None:
         """Evict every streamed unit, land host gradients, average gradients over ranks."""
         self._check_attached()
-        self.streamer.evict_all()
-        self.sched.end_step()
-        if self.grad_sink is not None:
-            self.grad_sink.finish()
+        self._release()
         if self.averager is not None:
             self.averager.average()
         self.stats["steps"] += 1
@@ -181,7 +193,7 @@ class OffloadTrainingManager:
     def detach(self) -> nn.Module:
         """Remove every hook and give the model back: real weights on their original devices."""
         self._check_attached()
-        self.after_backward_quiet()
+        self._release()
         for h in self._handles:
             h.remove()
         if self.grad_sink is not None:
@@ -192,9 +204,13 @@ class OffloadTrainingManager:
         delattr(self.model, _MARK)
         return self.model
 
-    def after_backward_quiet(self) -> None:
+    def _release(self) -> None:
         self.streamer.evict_all()
         self.sched.end_step()
+        if self._order:  # homes follow the execution order, so a window never shares a slot
+            rest = [u.index for u in self.plan.streamed if u.index not in self._order_seen]
+            self.streamer.rehome(self._order + rest)
+            self._order, self._order_seen = [], set()
         if self.grad_sink is not None:
             self.grad_sink.finish()
 

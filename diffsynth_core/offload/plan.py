@@ -23,11 +23,13 @@ class Plan:
     buffers: list[tuple[nn.Module, str, torch.device]] = field(default_factory=list)
     host_trainable: list[nn.Parameter] = field(default_factory=list)  # optimizer offload
     arena_bytes: int = 0
+    trainable_dtype: torch.dtype | None = None
     budget_bufs: list[torch.Tensor] = field(default_factory=list)
 
     def move_resident(self) -> None:
         for p, _ in self.resident_params:
-            p.data = p.data.to(self.device)
+            upcast = self.trainable_dtype if p.requires_grad and p.is_floating_point() else None
+            p.data = p.data.to(self.device, dtype=upcast)
         moved: dict[int, torch.Tensor] = {}  # a buffer shared by two modules stays shared
         for mod, name, _ in self.buffers:
             buf = mod._buffers[name]
@@ -66,7 +68,8 @@ class Plan:
 
 
 def build_plan(model: nn.Module, device: torch.device, granularity: str, block_container_names,
-               optimizer_offload: bool, storage_dtype, vram_budget_gb: float) -> Plan:
+               optimizer_offload: bool, storage_dtype, vram_budget_gb: float,
+               trainable_dtype: torch.dtype | None = None) -> Plan:
     owners = owners_of(model)
     candidates = candidate_modules(model, granularity, block_container_names)
     claimed = _claims(candidates)
@@ -80,7 +83,7 @@ def build_plan(model: nn.Module, device: torch.device, granularity: str, block_c
         if unit.tensors:
             unit.layout()
             units.append(unit)
-    plan = Plan(device, units, [], [])
+    plan = Plan(device, units, [], [], trainable_dtype=trainable_dtype)
     _split_budget(plan, vram_budget_gb)
     _place_in_arena(plan)
     seen: set[int] = set()

@@ -2,7 +2,13 @@
 
 A slot is a preallocated device buffer big enough for the largest unit; a unit is *loaded* when its
 parameters' ``.data`` point into a slot and *evicted* when they point back at their host master
-(a pointer swap: frozen weights never travel device->host).  On CUDA the copy runs on a private
+(a pointer swap: frozen weights never travel device->host).
+
+Every unit has a fixed *home* slot (round robin over the execution order), and is only ever loaded
+there.  That is what makes training without gradient checkpointing correct: autograd saves views of
+weights (``weight.t()`` inside ``F.linear``) that keep pointing into the slot after the unit is
+evicted; since the unit comes back to the same slot, at the same offsets, before its backward runs,
+those views read the right bytes again.  On CUDA the copy runs on a private
 stream that first waits for the slot's ``free`` event (the compute that last read the slot), and the
 compute stream waits for the unit's ``ready`` event before using it.  On a CPU target the same code
 runs with synchronous copies, which is what the CPU tests exercise.
@@ -44,6 +50,7 @@ class Streamer:
         self.slots = [Slot(i, torch.empty(size, dtype=torch.uint8, device=device),
                            torch.empty(stage, dtype=torch.uint8, device=device) if stage else None)
                       for i in range(n_slots if units else 0)]
+        self.home = {u.index: i % max(len(self.slots), 1) for i, u in enumerate(units)}
         self.clock = 0
         self.copies = 0
         self.bytes = 0
@@ -123,17 +130,21 @@ class Streamer:
         slot.occupant = None
         del self.slot_of[unit.index]
 
-    def free_slot(self, keep: set[int]) -> Slot:
-        """An empty slot, else the least recently used one whose occupant is not in ``keep``."""
-        empty = [s for s in self.slots if s.occupant is None]
-        if empty:
-            return empty[0]
-        victims = [s for s in self.slots if s.occupant.index not in keep]
-        if not victims:
-            raise RuntimeError("offload: every device slot is pinned by the current window")
-        victim = min(victims, key=lambda s: s.last_use)
-        self.evict(victim)
-        return victim
+    def home_slot(self, unit: Unit, keep: set[int] | None = None) -> Slot | None:
+        """``unit``'s home slot, emptied; ``None`` if a unit in ``keep`` lives there now."""
+        slot = self.slots[self.home[unit.index]]
+        if slot.occupant is not None:
+            if keep is not None and slot.occupant.index in keep:
+                return None
+            self.evict(slot)
+        return slot
+
+    def rehome(self, order: list[int]) -> None:
+        """Homes round robin over ``order`` (unit indices as executed); only while nothing is loaded."""
+        assert not self.slot_of
+        n = max(len(self.slots), 1)
+        for i, idx in enumerate(order):
+            self.home[idx] = i % n
 
     def evict_all(self) -> None:
         for slot in self.slots:

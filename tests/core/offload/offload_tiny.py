@@ -1,0 +1,109 @@
+"""Tiny real models for the offload tests: a toy MLP stack and tiny diffusers DiTs with peft LoRA."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class ToyStack(nn.Module):
+    """Embed -> blocks -> head, plus the awkward bits: a root parameter used outside any block,
+    a mutable buffer, a plain-attribute tensor and a module called twice per forward."""
+
+    def __init__(self, d: int = 16, n: int = 5):
+        super().__init__()
+        self.embed = nn.Linear(d, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.head = nn.Linear(d, d)
+        self.scale = nn.Parameter(torch.ones(d))  # root-level, read in forward directly
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))  # mutated in place
+        self.offset = torch.full((d,), 0.5)  # plain attribute, not registered
+
+    def forward(self, x):
+        self.calls += 1
+        x = self.embed(x) * self.scale + self.offset.to(x.device)
+        for block in self.blocks:
+            x = block(x)
+        x = self.blocks[0](x)  # the first block runs twice per step
+        return self.head(x)
+
+
+def add_lora(model: nn.Module, targets, rank: int = 4) -> nn.Module:
+    from peft import LoraConfig, inject_adapter_in_model
+
+    model.requires_grad_(False)
+    cfg = LoraConfig(r=rank, lora_alpha=rank, target_modules=list(targets), init_lora_weights="gaussian")
+    model = inject_adapter_in_model(cfg, model)
+    for n, p in model.named_parameters():
+        p.requires_grad_("lora_" in n)
+    return model
+
+
+def tiny_dit(family: str, seed: int = 0) -> tuple[nn.Module, tuple[str, ...], dict]:
+    """(model with LoRA, block container names, forward kwargs) for a tiny diffusers DiT."""
+    import diffusers
+
+    torch.manual_seed(seed)
+    if family == "qwen_image":
+        model = diffusers.QwenImageTransformer2DModel(
+            patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=32,
+            num_attention_heads=2, joint_attention_dim=64, axes_dims_rope=(8, 12, 12))
+        h = w = 4
+        kwargs = dict(hidden_states=torch.randn(1, h * w, 64), encoder_hidden_states=torch.randn(1, 8, 64),
+                      encoder_hidden_states_mask=torch.ones(1, 8, dtype=torch.long),
+                      timestep=torch.tensor([0.5]), img_shapes=[[(1, h, w)]], return_dict=False)
+        return add_lora(model, ["to_q", "to_k", "to_v", "to_out.0", "img_mod.1"]), ("transformer_blocks",), kwargs
+    if family == "flux":
+        model = diffusers.FluxTransformer2DModel(
+            patch_size=1, in_channels=64, num_layers=1, num_single_layers=2, attention_head_dim=32,
+            num_attention_heads=2, joint_attention_dim=64, pooled_projection_dim=32, guidance_embeds=True,
+            axes_dims_rope=(8, 12, 12))
+        n_img, n_txt = 16, 8
+        img_ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(4.0), indexing="ij"), -1)
+        kwargs = dict(hidden_states=torch.randn(1, n_img, 64), encoder_hidden_states=torch.randn(1, n_txt, 64),
+                      pooled_projections=torch.randn(1, 32), timestep=torch.tensor([0.5]),
+                      img_ids=img_ids.reshape(-1, 3), txt_ids=torch.zeros(n_txt, 3),
+                      guidance=torch.tensor([3.5]), return_dict=False)
+        return (add_lora(model, ["to_q", "to_k", "to_v", "proj_mlp", "proj_out"]),
+                ("transformer_blocks", "single_transformer_blocks"), kwargs)
+    if family == "wan":
+        model = diffusers.WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=24, in_channels=16, out_channels=16,
+            text_dim=64, freq_dim=256, ffn_dim=128, num_layers=2)
+        kwargs = dict(hidden_states=torch.randn(1, 16, 1, 8, 8), timestep=torch.tensor([500.0]),
+                      encoder_hidden_states=torch.randn(1, 8, 64), return_dict=False)
+        return add_lora(model, ["to_q", "to_k", "to_v", "ffn.net.0.proj"]), ("blocks",), kwargs
+    raise ValueError(family)
+
+
+def out_tensor(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def train(model, steps, loss_fn, mgr=None, accumulate=1, lr=1e-2, fused=None):
+    """Run ``steps`` optimizer steps; return losses and the trainable gradients of every step."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, fused=fused)
+    losses, grads = [], []
+    for step in range(steps):
+        for micro in range(accumulate):
+            loss = loss_fn(step, micro)
+            loss.backward()
+            if mgr is not None:
+                mgr.after_backward()
+            losses.append(loss.detach().float().cpu())
+        grads.append([p.grad.detach().float().cpu().clone() for p in params])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, grads

@@ -1,0 +1,141 @@
+"""Every weight is managed exactly once, odd tensors keep working, detach restores the model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from diffsynth_core.offload import OffloadTrainingManager
+from offload_tiny import ToyStack, add_lora, out_tensor, tiny_dit
+
+
+def _snapshot(model):
+    return {k: (v.clone(), v.device, v.dtype) for k, v in model.state_dict().items()}
+
+
+def _hook_count(model):
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules())
+
+
+def test_each_parameter_is_managed_once_and_shared_ones_stay_resident():
+    model = ToyStack()
+    model.blocks[3].up.weight = model.blocks[1].up.weight  # tied across two units
+    model.blocks[4].norm.weight = model.scale  # shared between a unit and the root
+    model.requires_grad_(False)
+    mgr = OffloadTrainingManager(model, "cpu")
+    streamed = [id(r.param) for u in mgr.plan.units for r in u.tensors]
+    resident = [id(p) for p, _ in mgr.plan.resident_params]
+    assert len(streamed) == len(set(streamed))
+    assert not set(streamed) & set(resident)
+    assert set(streamed) | set(resident) == {id(p) for p in model.parameters()}
+    assert id(model.blocks[1].up.weight) in resident and id(model.scale) in resident
+    with torch.no_grad():
+        model(torch.randn(2, 16))
+    mgr.detach()
+
+
+def test_state_dict_while_attached_and_after_detach_equals_original():
+    torch.manual_seed(0)
+    model = add_lora(ToyStack(), ["up"])
+    before = _snapshot(model)
+    hooks = _hook_count(model)
+    mgr = OffloadTrainingManager(model, "cpu", poison_evicted=True)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        model(x)  # some units are now in slots, others on the host
+    during = model.state_dict()
+    assert during.keys() == before.keys()
+    for k, (v, _, _) in before.items():
+        if k != "calls":
+            assert torch.equal(during[k], v), k
+    mgr.after_backward()
+    mgr.detach()
+    assert _hook_count(model) == hooks
+    after = model.state_dict()
+    for k, (v, dev, dt) in before.items():
+        if k == "calls":
+            assert after[k].item() == 1  # the in-place update of the buffer survived
+            continue
+        assert torch.equal(after[k], v) and after[k].device == dev and after[k].dtype == dt, k
+    with pytest.raises(RuntimeError, match="detached"):
+        mgr.after_backward()
+
+
+def test_attach_twice_raises_and_reattach_after_detach_works():
+    model = ToyStack().requires_grad_(False)
+    mgr = OffloadTrainingManager(model, "cpu")
+    with pytest.raises(RuntimeError, match="already attached"):
+        OffloadTrainingManager(model, "cpu")
+    mgr.detach()
+    OffloadTrainingManager(model, "cpu").detach()
+
+
+def test_mutable_buffers_keep_their_updates():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)) for _ in range(3)])
+    ref = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)) for _ in range(3)])
+    ref.load_state_dict(model.state_dict())
+    model.requires_grad_(False)
+    mgr = OffloadTrainingManager(model, "cpu", poison_evicted=True)
+    for seed in range(3):
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(model(x), ref(x))
+        mgr.after_backward()
+    mgr.detach()
+    for (k, a), (_, b) in zip(ref.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), k
+
+
+def test_wan_root_parameter_and_inference_while_attached():
+    model, names, kwargs = tiny_dit("wan")
+    with torch.no_grad():
+        ref = out_tensor(model(**kwargs))
+    mgr = OffloadTrainingManager(model, "cpu", block_container_names=names, poison_evicted=True)
+    resident = {id(p) for p, _ in mgr.plan.resident_params}
+    assert id(model.scale_shift_table) in resident
+    with torch.no_grad():
+        for _ in range(2):  # repeated inference re-uses the learned order
+            assert torch.equal(out_tensor(model(**kwargs)), ref)
+    assert len(mgr.loaded_units()) <= 2
+    mgr.detach()
+
+
+def test_bad_container_name_is_a_clear_error():
+    with pytest.raises(ValueError, match="transformer_blocks"):
+        OffloadTrainingManager(ToyStack(), "cpu", block_container_names=("transformer_blocks",))
+    with pytest.raises(ValueError, match="granularity"):
+        OffloadTrainingManager(ToyStack(), "cpu", granularity="layer")
+
+
+def test_storage_dtype_streams_fewer_bytes_and_widens_on_the_device():
+    torch.manual_seed(0)
+    model = ToyStack(d=64).requires_grad_(False)
+    ref = ToyStack(d=64)
+    ref.load_state_dict(model.state_dict())
+    for blk in ref.blocks:  # what fp8 storage does to the weights
+        for p in blk.parameters():
+            p.data = p.data.to(torch.float8_e4m3fn).float()
+    full = sum(p.numel() * 4 for blk in model.blocks for p in blk.parameters())
+    mgr = OffloadTrainingManager(model, "cpu", storage_dtype=torch.float8_e4m3fn)
+    assert mgr.report()["arena_bytes"] <= full / 4 * 1.05
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+    mgr.detach()
+
+
+def test_no_warning_filters_and_no_cuda_calls_on_cpu():
+    code = (
+        "import warnings, torch; before = list(warnings.filters)\n"
+        "import diffsynth_core.offload, diffsynth_core.gradient\n"
+        "from diffsynth_core.offload import OffloadTrainingManager\n"
+        "m = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)]).requires_grad_(False)\n"
+        "mgr = OffloadTrainingManager(m, 'cpu'); m(torch.randn(2, 4)); mgr.after_backward(); mgr.detach()\n"
+        "assert list(warnings.filters) == before, 'warning filters changed'\n"
+        "assert not torch.cuda.is_initialized(), 'CUDA was initialised'\n"
+    )
+    subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", code], check=True)
