@@ -62,6 +62,17 @@ def _flux_prompt(pipe, prompt):
     return {"prompt_embeds": embeds[0], "pooled_prompt_embeds": pooled[0]}
 
 
+def _wan_inputs(pipe, kw, out):
+    sigmas = kw["timestep"].float() / 1000  # the pipeline passes t = 1000 sigma
+    return kw["hidden_states"], sigmas, {"prompt_embeds": kw["encoder_hidden_states"]}, out
+
+
+def _wan_prompt(pipe, prompt):
+    embeds, _ = pipe.encode_prompt(prompt, do_classifier_free_guidance=False,
+                                   max_sequence_length=pipe.tokenizer.model_max_length)
+    return {"prompt_embeds": embeds[0]}
+
+
 CASES = [
     FamilyCase("qwen_image", "qwen_image", (3, 1, 64, 96),
                dict(height=64, width=96, num_inference_steps=2), _qwen_inputs, _qwen_prompt),
@@ -70,4 +81,6 @@ CASES = [
     FamilyCase("flux_schnell", "flux", (3, 1, 64, 64), dict(height=64, width=64, num_inference_steps=2,
                guidance_scale=0.0, max_sequence_length=32), _flux_inputs, _flux_prompt,
                tiny_kwargs={"guidance_embeds": False}),
+    FamilyCase("wan", "wan", (3, 5, 64, 64), dict(height=64, width=64, num_frames=5, num_inference_steps=2,
+               guidance_scale=1.0, max_sequence_length=32), _wan_inputs, _wan_prompt),
 ]

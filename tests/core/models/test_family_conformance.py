@@ -24,7 +24,7 @@ LORA_CONFIG = {"r": 4, "lora_alpha": 8, "init_lora_weights": "gaussian"}
 
 
 def test_every_registered_family_has_a_case():
-    assert {c.family for c in CASES} <= set(known_families())  # TODO(flux, wan): ==
+    assert {c.family for c in CASES} == set(known_families())
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: c.id)

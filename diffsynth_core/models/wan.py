@@ -1,0 +1,197 @@
+"""Wan2.1 text-to-video (1.3B and 14B layouts): ``WanPipeline`` components.
+
+Conventions (diffusers 0.42):
+* prompt: UMT5 last hidden state cut at the prompt's true length and zero-padded to
+  ``max_sequence_length`` -> ``prompt_embeds (L, D)``; ``L`` defaults to 512 capped by the tokenizer's
+  ``model_max_length`` (32 for the tiny model).
+* pixels ``(3, F, H, W)`` with ``F = 4k+1`` -> ``latents (16, k+1, H/8, W/8)``: the VAE posterior **mode**
+  (mean), normalised ``(z - latents_mean) / latents_std`` per channel, in the VAE's dtype.
+* DiT: un-packed 5-D latents, ``timestep = 1000 * sigma`` in fp32 (the time embedder is an fp32 module).
+* LoRA for ComfyUI needs Wan's native names (``diffusion_model.blocks.N.self_attn.q``...) with
+  ``.alpha`` tensors: ComfyUI has no mapping from diffusers names for Wan.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from . import lora_export, single_file, tiny_tokenizers
+from .base import Components, FamilySpec
+from .inputs import check_pixels
+from .loading import load_components as _load_components
+from .loading import module_dtype
+
+PIPELINE_CLASS = "WanPipeline"
+ENCODER_COMPONENTS = ("text_encoder", "tokenizer", "vae")
+DEFAULT_MAX_SEQUENCE_LENGTH = 512
+NUM_TRAIN_TIMESTEPS = 1000
+VAE_SCALE = 8
+PATCH = 2
+FRAME_MULTIPLE = 4  # the VAE compresses 4 frames into one latent frame, plus the first frame
+
+# Diffusers name -> Wan native name, for modules outside the blocks (exact names).
+_NATIVE_ROOT = {
+    "scale_shift_table": "head.modulation",
+    "proj_out": "head.head",
+    "patch_embedding": "patch_embedding",
+    "condition_embedder.time_embedder.linear_1": "time_embedding.0",
+    "condition_embedder.time_embedder.linear_2": "time_embedding.2",
+    "condition_embedder.text_embedder.linear_1": "text_embedding.0",
+    "condition_embedder.text_embedder.linear_2": "text_embedding.2",
+    "condition_embedder.time_proj": "time_projection.1",
+}
+# Diffusers -> native pieces inside ``blocks.N.`` (the inverse of diffusers' converter; norm2/norm3 swap).
+_NATIVE_BLOCK = {
+    "attn1": "self_attn", "attn2": "cross_attn", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "o",
+    "add_k_proj": "k_img", "add_v_proj": "v_img", "norm_added_k": "norm_k_img", "ffn.net.0.proj": "ffn.0",
+    "ffn.net.2": "ffn.2", "scale_shift_table": "modulation", "norm2": "norm3", "norm3": "norm2",
+    "norm_q": "norm_q", "norm_k": "norm_k",
+}
+
+
+def native_name(name: str) -> str:
+    """Wan's original name of a diffusers module or parameter name (``blocks.0.attn1.to_q`` -> ``blocks.0.self_attn.q``)."""
+    for diffusers_name, native in _NATIVE_ROOT.items():
+        if name == diffusers_name or name.startswith(diffusers_name + "."):
+            return native + name[len(diffusers_name):]
+    parts = name.split(".")
+    if len(parts) < 3 or parts[0] != "blocks":
+        raise ValueError(f"no Wan native name for {name!r}")
+    rest, out = ".".join(parts[2:]), []
+    while rest:
+        match = next((d for d in sorted(_NATIVE_BLOCK, key=len, reverse=True)
+                      if rest == d or rest.startswith(d + ".")), None)
+        if match is None:
+            if rest in ("weight", "bias"):
+                out.append(rest)
+                break
+            raise ValueError(f"no Wan native name for {name!r} (at {rest!r})")
+        out.append(_NATIVE_BLOCK[match])
+        rest = rest[len(match) + 1:]
+    return ".".join(parts[:2] + out)
+
+
+def _pipeline_cls():
+    from diffusers import WanPipeline
+
+    return WanPipeline
+
+
+# --- tiny model --------------------------------------------------------------------------
+
+def save_tiny_model(out_dir: Path, seed: int = 0) -> Path:
+    """Tiny random Wan2.1 T2V in the diffusers layout (UniPC flow scheduler, shift 3, like the release)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tokenizer = tiny_tokenizers.t5_tokenizer()
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        text_encoder = UMT5EncoderModel(UMT5Config(
+            vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+            feed_forward_proj="gated-gelu", relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1))
+        vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
+                               temperal_downsample=[False, True, True])
+        transformer = WanTransformer3DModel(
+            patch_size=(1, PATCH, PATCH), num_attention_heads=2, attention_head_dim=24, in_channels=16,
+            out_channels=16, text_dim=32, freq_dim=256, ffn_dim=128, num_layers=2)
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                        num_train_timesteps=NUM_TRAIN_TIMESTEPS, flow_shift=3.0)
+    pipe = _pipeline_cls()(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+                           transformer=transformer)
+    pipe.save_pretrained(out_dir)
+    return Path(out_dir)
+
+
+# --- loading -------------------------------------------------------------------------------
+
+def load_components(path: Path, names: tuple[str, ...], dtype: torch.dtype, device: str) -> Components:
+    return _load_components(path, names, dtype, device, allowed=ENCODER_COMPONENTS + ("transformer",))
+
+
+def _convert_native(state_dict: single_file.StateDict) -> single_file.StateDict:
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    return convert_wan_transformer_to_diffusers(dict(state_dict))
+
+
+def load_transformer_file(file: Path, config_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
+    """Single-file DiT with diffusers or Wan native names (ComfyUI prefixes stripped); fp32 modules stay fp32."""
+    from diffusers import WanTransformer3DModel
+
+    return single_file.load_transformer_file(WanTransformer3DModel, file, config_dir, dtype, convert=_convert_native)
+
+
+# --- encoding ------------------------------------------------------------------------------
+
+def encode_prompt(components: Components, prompt: str, device: str, *,
+                  max_sequence_length: int | None = None) -> dict[str, torch.Tensor]:
+    """``WanPipeline.encode_prompt`` (no CFG) for one prompt, zero-padded to the max length, no batch dim."""
+    tokenizer = components["tokenizer"]
+    if max_sequence_length is None:
+        max_sequence_length = min(DEFAULT_MAX_SEQUENCE_LENGTH, tokenizer.model_max_length)
+    pipe = _pipeline_cls()(tokenizer=tokenizer, text_encoder=components["text_encoder"], vae=None,
+                           scheduler=None, transformer=None)
+    with torch.no_grad():
+        embeds, _ = pipe.encode_prompt(prompt, do_classifier_free_guidance=False, device=torch.device(device),
+                                       max_sequence_length=max_sequence_length)
+    return {"prompt_embeds": embeds[0]}
+
+
+def encode_pixels(components: Components, pixels: torch.Tensor, device: str) -> dict[str, torch.Tensor]:
+    """VAE posterior mode, normalised per channel: ``(16, (F-1)/4+1, H/8, W/8)``."""
+    check_pixels(pixels, multiple=VAE_SCALE * PATCH, frame_multiple=FRAME_MULTIPLE)
+    vae = components["vae"]
+    with torch.no_grad():
+        z = vae.encode(pixels[None].to(device=device, dtype=vae.dtype)).latent_dist.mode()
+    mean = torch.tensor(vae.config.latents_mean, device=z.device).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std, device=z.device).view(1, -1, 1, 1, 1)
+    return {"latents": ((z.float() - mean) / std).to(vae.dtype)[0]}
+
+
+# --- training forward ------------------------------------------------------------------------
+
+def dit_forward(transformer: torch.nn.Module, latents: torch.Tensor, sigmas: torch.Tensor,
+                cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Velocity prediction ``(B, 16, f, h, w)`` for latents ``(B, 16, f, h, w)``; ``t = 1000 * sigma``."""
+    if latents.ndim != 5:
+        raise ValueError(f"Wan latents must be (B, C, F, H, W), got shape {tuple(latents.shape)}")
+    dtype = module_dtype(transformer)
+    return transformer(
+        hidden_states=latents.to(dtype), timestep=sigmas.float() * NUM_TRAIN_TIMESTEPS,
+        encoder_hidden_states=cond["prompt_embeds"].to(dtype), return_dict=False,
+    )[0]
+
+
+# --- LoRA export -----------------------------------------------------------------------------
+
+def export_lora(peft_state_dict: dict[str, torch.Tensor], lora_config: dict[str, Any], out_dir: Path) -> dict[str, Path]:
+    """diffusers file plus, always, a ComfyUI file with native keys and ``.alpha`` tensors."""
+    paths = {"diffusers": lora_export.save_diffusers_lora(_pipeline_cls(), peft_state_dict, lora_config, out_dir)}
+    sd = lora_export.comfy_state_dict(peft_state_dict, lora_config, lambda m: "diffusion_model." + native_name(m))
+    paths["comfyui"] = lora_export.save_comfy_lora(sd, lora_config, out_dir)
+    return paths
+
+
+SPEC = FamilySpec(
+    name="wan",
+    encoder_components=ENCODER_COMPONENTS,
+    transformer_component="transformer",
+    block_container_names=("blocks",),
+    # DiffSynth's Wan defaults (q, k, v, o, ffn.0, ffn.2) in diffusers names; matches attn1 and attn2.
+    lora_target_modules=("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"),
+    frame_multiple=FRAME_MULTIPLE,
+    load_components=load_components,
+    load_transformer_file=load_transformer_file,
+    encode_prompt=encode_prompt,
+    encode_pixels=encode_pixels,
+    dit_forward=dit_forward,
+    export_lora=export_lora,
+    save_tiny_model=save_tiny_model,
+    pipeline_class_name=PIPELINE_CLASS,
+    extras={"latent_channels": 16, "vae_scale_factor": VAE_SCALE, "pixel_multiple": VAE_SCALE * PATCH,
+            "default_max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH, "num_train_timesteps": NUM_TRAIN_TIMESTEPS},
+)

@@ -1,0 +1,101 @@
+"""Family-specific behaviour the shared suite does not cover: Wan native names, input errors,
+prompt length, LoRA export validation, the tiny tokenizers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from diffsynth_core.models import get_family, lora_export, tiny_tokenizers
+from diffsynth_core.models.single_file import strip_prefixes
+
+
+@pytest.fixture(scope="module")
+def wan_dir(tmp_path_factory):
+    return get_family("wan").save_tiny_model(tmp_path_factory.mktemp("wan") / "model", 0)
+
+
+def test_wan_native_names_invert_diffusers_converter(wan_dir):
+    from diffusers import WanTransformer3DModel
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    from diffsynth_core.models.wan import native_name
+
+    sd = WanTransformer3DModel.from_pretrained(wan_dir / "transformer").state_dict()
+    native = {native_name(k): v for k, v in sd.items()}
+    assert "blocks.0.self_attn.q.weight" in native and "head.modulation" in native and "blocks.1.norm3.weight" in native
+    assert convert_wan_transformer_to_diffusers(dict(native)).keys() == sd.keys()
+
+
+def test_wan_loads_a_comfyui_native_checkpoint_with_fp32_modules(wan_dir, tmp_path):
+    from diffsynth_core.models.wan import native_name
+
+    spec = get_family("wan")
+    ref = spec.load_components(wan_dir, ("transformer",), torch.float32, "cpu")["transformer"]
+    file = tmp_path / "wan_native.safetensors"
+    save_file({"model.diffusion_model." + native_name(k): v.to(torch.bfloat16) for k, v in ref.state_dict().items()},
+              str(file))
+    loaded = spec.load_transformer_file(file, wan_dir, torch.bfloat16)
+    got = loaded.state_dict()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(got[k].float(), v.to(torch.bfloat16).float()), k
+    assert got["scale_shift_table"].dtype == torch.float32  # _keep_in_fp32_modules
+    assert got["blocks.0.attn1.to_q.weight"].dtype == torch.bfloat16
+
+
+def test_native_name_rejects_unknown_modules():
+    from diffsynth_core.models.wan import native_name
+
+    with pytest.raises(ValueError, match="mystery"):
+        native_name("mystery.linear")
+
+
+def test_strip_prefixes_only_strips_leading_checkpoint_prefixes():
+    sd = {"model.diffusion_model.a.weight": 1, "diffusion_model.b.bias": 2, "c.diffusion_model.d": 3}
+    assert strip_prefixes(sd) == {"a.weight": 1, "b.bias": 2, "c.diffusion_model.d": 3}
+
+
+@pytest.mark.parametrize("family, shape, message", [
+    ("qwen_image", (3, 2, 64, 64), "one frame"),
+    ("flux", (3, 1, 64, 40), "multiples of 16"),
+    ("wan", (3, 4, 64, 64), "4k\\+1"),
+    ("wan", (1, 5, 64, 64), "\\(3, F, H, W\\)"),
+])
+def test_encode_pixels_rejects_bad_shapes_before_touching_the_vae(family, shape, message):
+    with pytest.raises(ValueError, match=message):
+        get_family(family).encode_pixels({}, torch.zeros(shape), "cpu")
+
+
+def test_prompt_length_is_a_keyword_defaulting_to_the_tokenizers_limit(wan_dir):
+    spec = get_family("wan")
+    comps = spec.load_components(wan_dir, ("text_encoder", "tokenizer"), torch.float32, "cpu")
+    assert spec.encode_prompt(comps, "a cat", "cpu")["prompt_embeds"].shape == (32, 32)
+    short = spec.encode_prompt(comps, "a cat", "cpu", max_sequence_length=8)["prompt_embeds"]
+    assert short.shape == (8, 32)
+
+
+def test_qwen_tokenizer_template_prefix_is_the_34_tokens_the_pipeline_drops():
+    from diffusers import QwenImagePipeline
+
+    pipe = QwenImagePipeline(scheduler=None, vae=None, text_encoder=None, tokenizer=None, transformer=None)
+    prefix = pipe.prompt_template_encode.split("{}")[0]
+    tok = tiny_tokenizers.qwen2_tokenizer()
+    assert len(tok(prefix).input_ids) == pipe.prompt_template_encode_start_idx == 34
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"a.lora_A.weight": torch.zeros(1)}, "only"),
+    ({"a.weight": torch.zeros(1)}, "does not end in"),
+    ({}, "empty"),
+])
+def test_lora_export_rejects_malformed_state_dicts(bad, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        get_family("wan").export_lora(bad, {"r": 1, "lora_alpha": 1, "target_modules": ["a"]}, tmp_path)
+
+
+def test_comfy_alpha_matches_peft_scale_for_rslora():
+    cfg = {"r": 16, "lora_alpha": 8, "use_rslora": True}
+    assert lora_export.comfy_alpha(cfg, 16) / 16 == pytest.approx(8 / 16 ** 0.5)
+    assert lora_export.needs_alpha_tensors(cfg)
+    assert not lora_export.needs_alpha_tensors({"r": 4, "lora_alpha": 4})
