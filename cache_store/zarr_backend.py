@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import zarr
 from zarr.codecs import ZstdCodec
+from zarr.errors import ContainsGroupError
 
 from ._fs import Root
 from .base import Entry
@@ -44,7 +45,10 @@ class ZarrStore(PartStore):
         self._flushed = 0        # bytes of the current part already in the array
         super().__init__(root, mode, fingerprint, writer)
         if mode != "r":
-            zarr.open_group(store=self._zstore, mode="a")  # root stays a valid zarr hierarchy
+            try:
+                zarr.open_group(store=self._zstore, mode="a")  # root stays a valid zarr hierarchy
+            except ContainsGroupError:
+                pass  # a concurrent writer created it between zarr's check and its write
 
     def _start_part(self, part: str) -> None:
         self._arrays[part] = zarr.create_array(
