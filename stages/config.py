@@ -98,7 +98,8 @@ class TrainSection(_Section):
     retries: int = Field(1, ge=0)
     tensorboard: bool = False
     validation_prompts: list[str] = []
-    validation_steps: int = Field(0, ge=0)
+    validation_steps: int = Field(0, ge=0)  # 0: no validation images
+    validation_inference_steps: int = Field(20, ge=1)
 
 
 class OffloadSection(_Section):

@@ -22,6 +22,7 @@ from diffsynth_core.training.loop import Trainer
 
 from .common import model_dtype, resolve_device
 from .config import RunConfig
+from .validation import ValidationRenderer
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +90,11 @@ def run(cfg: RunConfig) -> TrainSummary:
     output.mkdir(parents=True, exist_ok=True)
     cfg.save(output / "config.toml")
     transformer = load_transformer(cfg, spec)
-    trainer = Trainer(spec, transformer, CachedSamples(store, keys), cfg.train, cfg.offload, output,
-                      device=resolve_device(cfg.train.device), repeat=cfg.dataset.repeat)
+    samples = CachedSamples(store, keys)
+    meta = samples[0]["meta"]
+    callbacks = [ValidationRenderer(cfg, spec, (meta["height"], meta["width"]))] if cfg.train.validation_prompts else []
+    trainer = Trainer(spec, transformer, samples, cfg.train, cfg.offload, output,
+                      device=resolve_device(cfg.train.device), repeat=cfg.dataset.repeat, callbacks=callbacks)
     result = trainer.fit()
     exports = _export(spec, result, output) if trainer.rank == 0 else {}
     summary = TrainSummary(str(output), result.step, result.resumed_from,

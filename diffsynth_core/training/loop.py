@@ -13,7 +13,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -58,11 +58,13 @@ class Trainer:
     """Train ``model`` (the family's DiT) on ``samples`` (cache entries with a ``latents`` key)."""
 
     def __init__(self, spec: FamilySpec, model: nn.Module, samples: Sequence[Mapping[str, Any]], train, offload,
-                 output_dir: Path | str, device: torch.device | str = "cpu", repeat: int = 1, progress: bool = True):
+                 output_dir: Path | str, device: torch.device | str = "cpu", repeat: int = 1, progress: bool = True,
+                 callbacks: Sequence[Callable[[int, nn.Module], None]] = ()):
         self.spec, self.model, self.samples = spec, model, samples
         self.train, self.offload_opts = train, offload
         self.output_dir, self.device = Path(output_dir), torch.device(device)
         self.repeat, self.progress = repeat, progress
+        self.callbacks = list(callbacks)  # called on rank 0 after each optimizer step: fn(step, model)
         self.rank, self.world_size = _world()
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", keep=train.keep_checkpoints)
 
@@ -92,6 +94,9 @@ class Trainer:
                 bar.set_postfix(loss=f"{loss:.4f}")
             if step == total or (self.train.save_steps and step % self.train.save_steps == 0):
                 self._save(prepared, sampler, generator, step)
+            if self.rank == 0:
+                for callback in self.callbacks:
+                    callback(step, prepared.model)
         if bar is not None:
             bar.close()
         if metrics is not None:

@@ -61,3 +61,18 @@ def test_a_sigkilled_training_resumes_to_the_same_lora_bit_for_bit(make_config, 
     rows = read_metrics(cfg.output_dir / "metrics.csv")
     assert [int(r["step"]) for r in rows] == list(range(1, 41))
     assert [r["loss"] for r in rows] == [r["loss"] for r in read_metrics(reference.output_dir / "metrics.csv")]
+
+
+def test_validation_images_are_rendered_every_k_steps_without_changing_the_run(make_config, tmp_path):
+    steps = ["train.max_steps=4", "train.save_steps=0"]
+    cfg = make_config(*steps, "train.validation_prompts=['a red circle']", "train.validation_steps=2",
+                      "train.validation_inference_steps=2")
+    preprocess.run(cfg)
+    train.run(cfg)
+    images = sorted(p.name for p in (cfg.output_dir / "validation").glob("*.png"))
+    assert images == ["step-00000002-0.png", "step-00000004-0.png"]
+    plain = make_config(*steps, f"output.path={tmp_path / 'plain'}")
+    train.run(plain)
+    got = load_file(str(cfg.output_dir / "lora.safetensors"))
+    expected = load_file(str(plain.output_dir / "lora.safetensors"))
+    assert all(got[k].equal(expected[k]) for k in expected)

@@ -1,0 +1,71 @@
+"""Validation images during training: the family's diffusers pipeline with the live DiT.
+
+Every ``train.validation_steps`` optimizer steps, each prompt of ``train.validation_prompts`` is
+rendered with the current weights (LoRA included) and saved as
+``<output>/validation/step-<N>-<i>.png``.  Generation draws from its own seeded generator and
+restores the global RNG afterwards, so validation never changes the training run.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from diffsynth_core.models import FamilySpec
+
+from .common import model_dtype
+from .config import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+def _first_image(output) -> Image.Image:
+    if getattr(output, "images", None) is not None:
+        return output.images[0]
+    frames = output.frames[0]  # video pipelines: (F, H, W, C) floats in [0, 1] or PIL frames
+    first = frames[0]
+    if isinstance(first, Image.Image):
+        return first
+    return Image.fromarray((np.asarray(first) * 255).round().clip(0, 255).astype(np.uint8))
+
+
+class ValidationRenderer:
+    def __init__(self, cfg: RunConfig, spec: FamilySpec, size: tuple[int, int]):
+        self.cfg, self.spec, self.size = cfg, spec, size
+        self.folder = cfg.output_dir / "validation"
+        self._pipe = None
+
+    def _pipeline(self, transformer: torch.nn.Module):
+        if self._pipe is None:
+            import diffusers
+
+            pipeline_class = getattr(diffusers, self.spec.pipeline_class_name)
+            self._pipe = pipeline_class.from_pretrained(self.cfg.model.path, transformer=transformer,
+                                                        dtype=model_dtype(self.cfg))
+        return self._pipe
+
+    def __call__(self, step: int, model: torch.nn.Module) -> list[Path]:
+        train = self.cfg.train
+        if not train.validation_prompts or not train.validation_steps or step % train.validation_steps:
+            return []
+        pipe = self._pipeline(model)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        height, width = self.size
+        saved = []
+        was_training = model.training
+        model.eval()
+        with torch.random.fork_rng(), torch.no_grad():
+            for index, prompt in enumerate(train.validation_prompts):
+                generator = torch.Generator().manual_seed(train.seed + index)
+                output = pipe(prompt=prompt, height=height, width=width, generator=generator,
+                              num_inference_steps=train.validation_inference_steps)
+                path = self.folder / f"step-{step:08d}-{index}.png"
+                _first_image(output).save(path)
+                saved.append(path)
+        model.train(was_training)
+        log.info("validation images: %s", ", ".join(str(p) for p in saved))
+        return saved
