@@ -90,11 +90,26 @@ def pack_entry(key: str, entry: Entry) -> tuple[bytearray, dict[str, Any]]:
         s = specs[name]
         view[s["offset"]: s["offset"] + s["nbytes"]] = tensor_bytes(t)
     record = {"nbytes": offset, "crc32": zlib.crc32(buf), "tensors": specs, "meta": meta}
+    record["spec_crc32"] = spec_crc(record)
     return buf, record
+
+
+def spec_crc(record: dict[str, Any]) -> int:
+    """Checksum of what a manifest line says about an entry (dtypes, shapes, layout, meta)."""
+    said = {k: record.get(k) for k in ("nbytes", "crc32", "tensors", "meta")}
+    return zlib.crc32(canonical_json(said).encode())
+
+
+def check_record(where: str, record: dict[str, Any]) -> None:
+    """A manifest line edited after the fact (dtype, shape, meta) no longer matches its checksum."""
+    if record.get("spec_crc32") != spec_crc(record):
+        raise CacheFormatError(f"{where}: manifest record was altered after writing "
+                               "(dtype, shape or meta disagree with what was written)")
 
 
 def unpack_entry(where: str, buf: np.ndarray, record: dict[str, Any]) -> Entry:
     """Rebuild tensors from ``buf`` after checking length, checksum and every spec."""
+    check_record(where, record)
     if buf.size != record["nbytes"]:
         raise CacheFormatError(f"{where}: expected {record['nbytes']} bytes, read {buf.size} (truncated?)")
     if zlib.crc32(buf) != record["crc32"]:

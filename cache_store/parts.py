@@ -55,11 +55,16 @@ class PartStore:
         self._index: dict[str, tuple[str, dict]] = {}
         self._parts: list[str] = []
         self.duplicates = 0
+        self.bad_parts: dict[str, str] = {}
         for name in self.root.listdir(MANIFESTS):
             if not name.endswith(".json"):
                 continue
             part = name[: -len(".json")]
-            manifest = self._load_manifest(part)
+            try:
+                manifest = self._load_manifest(part)
+            except CacheFormatError as e:  # tampered manifest: its entries count as missing
+                self.bad_parts[part] = str(e)
+                continue
             self._parts.append(part)
             for rec in manifest["entries"]:
                 if rec["key"] in self._index:
@@ -169,13 +174,15 @@ class PartStore:
             total = len(dict.fromkeys(wanted))
             raise IncompleteCacheError(
                 f"cache {self.url}: {len(missing)} of {total} entries missing "
-                f"(e.g. {missing[0]}); run preprocess")
+                f"(e.g. {missing[0]}); run preprocess"
+                + (f" ({len(self.bad_parts)} unreadable manifests: run `splitflow cache verify`)"
+                   if self.bad_parts else ""))
         return [k for k in wanted if k in self._index]
 
     # ---- checks and numbers -------------------------------------------------------------
     def verify(self, allow_nonfinite: bool = False) -> VerifyReport:
         """Read every committed entry: checksums, dtypes and shapes, finiteness."""
-        report = VerifyReport(missing=self.missing_keys())
+        report = VerifyReport(missing=self.missing_keys(), errors=list(self.bad_parts.values()))
         for key in self._sorted_keys:
             report.checked += 1
             try:
@@ -193,7 +200,7 @@ class PartStore:
 
     def orphan_parts(self) -> list[str]:
         """Parts with data but no manifest: a writer died (or is still writing)."""
-        committed = set(self._parts)
+        committed = set(self._parts) | set(self.bad_parts)
         return [p for p in self._data_parts()
                 if PART_RE.match(p) and p not in committed and p != self._part]
 
@@ -228,4 +235,5 @@ class PartStore:
             "dataset_keys": None if wanted is None else len(wanted), "missing": len(missing),
             "complete": None if wanted is None else not missing,
             "duplicates": self.duplicates, "orphan_parts": len(self.orphan_parts()),
+            "bad_parts": sorted(self.bad_parts),
         }

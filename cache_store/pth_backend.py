@@ -17,7 +17,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from .base import CacheFormatError, Entry
-from .codec import check_tensor_spec, dtype_name, split_entry
+from .codec import check_record, check_tensor_spec, dtype_name, spec_crc, split_entry
 from .parts import PartStore
 
 ENTRIES = "entries"
@@ -41,10 +41,13 @@ class PthStore(PartStore):
         rel = f"{ENTRIES}/{key[:2]}/{key}.safetensors"
         self.root.write_bytes(rel, raw)  # atomic; invisible until the manifest names it
         specs = {k: {"dtype": dtype_name(t), "shape": list(t.shape)} for k, t in tensors.items()}
-        return {"file": rel, "nbytes": len(raw), "crc32": zlib.crc32(raw), "tensors": specs, "meta": meta}
+        record = {"file": rel, "nbytes": len(raw), "crc32": zlib.crc32(raw), "tensors": specs, "meta": meta}
+        record["spec_crc32"] = spec_crc(record)
+        return record
 
     def _read_entry(self, part: str, key: str, record: dict[str, Any]) -> Entry:
         where = f"cache {self.url}: entry {key} (file {record['file']})"
+        check_record(where, record)
         raw = self.root.read_bytes(record["file"])
         if raw is None:
             raise CacheFormatError(f"{where}: file is missing")

@@ -63,6 +63,8 @@ def format_inspect(info: dict[str, Any]) -> str:
         f"dataset      {info['dataset_keys'] if info['dataset_keys'] is not None else '-'} keys, "
         f"{info['missing']} missing: {complete[info['complete']]}",
     ]
+    if info["bad_parts"]:
+        lines.append(f"bad parts    {len(info['bad_parts'])} unreadable manifests: {', '.join(info['bad_parts'][:3])}")
     if info["orphan_parts"]:
         lines.append(f"orphans      {info['orphan_parts']} uncommitted parts (killed or running writers)")
     lines += [f"  missing: {k}" for k in info.get("missing_examples", [])]
