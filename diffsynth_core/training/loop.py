@@ -1,7 +1,7 @@
 """The training loop: flow-matching steps over cached samples, with exact resume.
 
 A run is a pure function of its config and the cache: the sample order comes from
-``ResumableSampler``, noise and timesteps from one seeded generator, and a checkpoint holds
+``ResumableSampler``, noise and timesteps from a generator seeded by each draw's serial, and a checkpoint holds
 every piece of state that changes (weights, optimizer, scheduler, sampler position, RNGs).
 So N steps, a kill, and a resume to 2N steps end bit-for-bit where 2N uninterrupted steps do.
 """
@@ -72,15 +72,14 @@ class Trainer:
     def fit(self) -> TrainResult:
         prepared = prepare_for_training(self.model, self.spec, self.train, self.offload_opts, self.device)
         sampler = ResumableSampler(len(self.samples), self.repeat, self.train.seed, self.rank, self.world_size)
-        generator = torch.Generator().manual_seed(self.train.seed * 7919 + self.rank)
-        step = self._resume(prepared, sampler, generator)
+        step = self._resume(prepared, sampler)
         resumed_from, total = step, self.total_steps(sampler)
         metrics = self._open_metrics(step)
         losses: list[float] = []
         bar = self._progress_bar(step, total)
         while step < total:
             started = time.perf_counter()
-            loss = self._optimizer_step(prepared, sampler, generator)
+            loss = self._optimizer_step(prepared, sampler)
             step += 1
             elapsed = time.perf_counter() - started
             losses.append(loss)
@@ -93,7 +92,7 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}")
             if step == total or (self.train.save_steps and step % self.train.save_steps == 0):
-                self._save(prepared, sampler, generator, step)
+                self._save(prepared, sampler, step)
             if self.rank == 0:
                 for callback in self.callbacks:
                     callback(step, prepared.model)
@@ -112,12 +111,14 @@ class Trainer:
         return max(1, -(-self.train.num_epochs * sampler.samples_per_epoch // per_step))
 
     # -- one optimizer step --------------------------------------------------------------------
-    def _optimizer_step(self, prepared: Prepared, sampler: ResumableSampler, generator: torch.Generator) -> float:
+    def _optimizer_step(self, prepared: Prepared, sampler: ResumableSampler) -> float:
         accumulation = self.train.gradient_accumulation_steps
         total_loss = 0.0
         for _ in range(accumulation):
-            entry = self.samples[sampler.next_index()]
-            loss = self._sample_loss(prepared.model, entry, generator) / accumulation
+            index, serial = sampler.next_index()
+            # Noise and timestep depend only on (seed, draw serial): resumable and world-size independent.
+            generator = torch.Generator().manual_seed(self.train.seed * 1_000_003 + serial)
+            loss = self._sample_loss(prepared.model, self.samples[index], generator) / accumulation
             loss.backward()
             total_loss += loss.item()
         params = list(prepared.trainable.values())
@@ -146,14 +147,13 @@ class Trainer:
         return flow_matching_loss(prediction, velocity_target(x0, noise), weights)
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def _save(self, prepared: Prepared, sampler: ResumableSampler, generator: torch.Generator, step: int) -> None:
+    def _save(self, prepared: Prepared, sampler: ResumableSampler, step: int) -> None:
         if self.rank != 0:
             return
         state = {
             "step": step,
             "epoch": sampler.state.epoch,
             "position": sampler.state.position,
-            "generator": generator.get_state(),
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
             "python_rng": random.getstate(),
@@ -163,7 +163,7 @@ class Trainer:
         path = self.checkpoints.save(step, dict(prepared.trainable), optimizer_state, state, metadata)
         log.info("checkpoint written: %s", path)
 
-    def _resume(self, prepared: Prepared, sampler: ResumableSampler, generator: torch.Generator) -> int:
+    def _resume(self, prepared: Prepared, sampler: ResumableSampler) -> int:
         checkpoint = self.checkpoints.load()
         if checkpoint is None:
             return 0
@@ -179,7 +179,6 @@ class Trainer:
         prepared.scheduler.load_state_dict(checkpoint["optimizer"]["scheduler"])
         state = checkpoint["state"]
         sampler.state = SamplerState(state["epoch"], state["position"])
-        generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
         if state["cuda_rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])

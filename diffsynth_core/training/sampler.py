@@ -40,9 +40,14 @@ class ResumableSampler:
             self._order_epoch = epoch
         return self._order
 
-    def next_index(self) -> int:
+    def next_index(self) -> tuple[int, int]:
+        """The next sample index and its draw serial: the position of this draw in the
+        global (all-rank) order, the same whatever the world size, so noise seeded from it
+        makes a data-parallel run match a single process accumulating the same samples."""
         if self.state.position >= self.samples_per_epoch:
             self.state = SamplerState(self.state.epoch + 1, 0)
         index = self._epoch_order(self.state.epoch)[self.state.position]
+        global_per_epoch = self.samples_per_epoch * self.world_size
+        serial = self.state.epoch * global_per_epoch + self.state.position * self.world_size + self.rank
         self.state.position += 1
-        return index
+        return index, serial
