@@ -99,3 +99,24 @@ def test_comfy_alpha_matches_peft_scale_for_rslora():
     assert lora_export.comfy_alpha(cfg, 16) / 16 == pytest.approx(8 / 16 ** 0.5)
     assert lora_export.needs_alpha_tensors(cfg)
     assert not lora_export.needs_alpha_tensors({"r": 4, "lora_alpha": 4})
+
+
+def test_qwen_batch_of_padded_prompts_matches_each_prompt_alone(tmp_path):
+    spec = get_family("qwen_image")
+    folder = spec.save_tiny_model(tmp_path / "qwen", 0)
+    comps = spec.load_components(folder, spec.encoder_components + ("transformer",), torch.float32, "cpu")
+    short, long = (spec.encode_prompt(comps, p, "cpu") for p in ("a cat", "a photo of a red dog and a blue cat"))
+    n = long["prompt_embeds"].shape[0]
+    assert short["prompt_embeds"].shape[0] < n
+
+    def pad(t):
+        return torch.cat([t, t.new_zeros((n - t.shape[0], *t.shape[1:]))])
+
+    cond = {k: torch.stack([pad(short[k]), long[k]]) for k in short}
+    latents = torch.randn(2, 16, 1, 4, 6, generator=torch.Generator().manual_seed(0))
+    sigmas = torch.tensor([0.3, 0.8])
+    with torch.no_grad():
+        batched = spec.dit_forward(comps["transformer"], latents, sigmas, cond)
+        alone = [spec.dit_forward(comps["transformer"], latents[i:i + 1], sigmas[i:i + 1],
+                                  {k: v[None] for k, v in c.items()}) for i, c in enumerate((short, long))]
+    assert torch.allclose(batched, torch.cat(alone), atol=1e-5)
