@@ -120,3 +120,39 @@ def test_qwen_batch_of_padded_prompts_matches_each_prompt_alone(tmp_path):
         alone = [spec.dit_forward(comps["transformer"], latents[i:i + 1], sigmas[i:i + 1],
                                   {k: v[None] for k, v in c.items()}) for i, c in enumerate((short, long))]
     assert torch.allclose(batched, torch.cat(alone), atol=1e-5)
+
+
+def _bfl_flux_checkpoint(d=3072, mlp=12288, head_dim=128):
+    """Original BFL names and shapes of a FLUX.1-dev with one double and one single block, on meta."""
+    def lin(name, out, inp):
+        return {name + ".weight": torch.empty(out, inp, device="meta"), name + ".bias": torch.empty(out, device="meta")}
+
+    def qk_norm(prefix):
+        return {prefix + "query_norm.scale": torch.empty(head_dim, device="meta"),
+                prefix + "key_norm.scale": torch.empty(head_dim, device="meta")}
+
+    sd = lin("img_in", d, 64) | lin("txt_in", d, 4096)
+    for embedder, width in (("time_in", 256), ("vector_in", 768), ("guidance_in", 256)):
+        sd |= lin(embedder + ".in_layer", d, width) | lin(embedder + ".out_layer", d, d)
+    for stream in ("img", "txt"):
+        p = f"double_blocks.0.{stream}"
+        sd |= lin(p + "_mod.lin", 6 * d, d) | lin(p + "_attn.qkv", 3 * d, d) | lin(p + "_attn.proj", d, d)
+        sd |= lin(p + "_mlp.0", mlp, d) | lin(p + "_mlp.2", d, mlp) | qk_norm(p + "_attn.norm.")
+    p = "single_blocks.0."
+    sd |= lin(p + "linear1", 3 * d + mlp, d) | lin(p + "linear2", d, d + mlp) | lin(p + "modulation.lin", 3 * d, d)
+    sd |= qk_norm(p + "norm.")
+    return sd | lin("final_layer.linear", 64, d) | lin("final_layer.adaLN_modulation.1", 2 * d, d)
+
+
+def test_flux_original_bfl_names_convert_to_the_diffusers_layout():
+    """Real FLUX.1 width on the meta device (diffusers' converter assumes inner_dim 3072)."""
+    from accelerate import init_empty_weights
+    from diffusers import FluxTransformer2DModel
+
+    from diffsynth_core.models.flux import _convert_bfl
+
+    converted = _convert_bfl(_bfl_flux_checkpoint())
+    with init_empty_weights():
+        expected = FluxTransformer2DModel(num_layers=1, num_single_layers=1, guidance_embeds=True).state_dict()
+    assert converted.keys() == expected.keys()
+    assert all(converted[k].shape == v.shape for k, v in expected.items())
