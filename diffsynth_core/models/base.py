@@ -7,12 +7,16 @@ family through this spec, so no code outside ``models/`` branches on the family 
 Tensor conventions shared by every family (batch size 1 inside the cache):
 
 * ``encode_prompt`` returns the prompt-side cache entries, e.g. ``{"prompt_embeds": (L, D)}``
-  without the batch dimension.
-* ``encode_pixels`` takes pixels ``(C, F, H, W)`` in ``[-1, 1]`` (``F == 1`` for images) and
-  returns ``{"latents": ...}`` already normalised the family's way, without the batch dim.
-* ``dit_forward`` takes batched, un-packed latents ``(B, C, [F,] h, w)`` and sigmas ``(B,)`` in
-  ``[0, 1]`` plus the batched prompt-side tensors, and returns the flow-matching velocity
-  prediction in the latents' layout (packing/unpacking and timestep scaling are its job).
+  without the batch dimension (no gradients; what the family pipeline's ``encode_prompt`` gives).
+  It takes a keyword-only ``max_sequence_length``.  Entries whose length differs between prompts
+  (Qwen-Image's ``prompt_embeds``/``prompt_embeds_mask``) are batched by zero-padding on dim 0.
+* ``encode_pixels`` takes pixels ``(3, F, H, W)`` in ``[-1, 1]`` (``F == 1`` for images,
+  ``F = frame_multiple*k + 1`` for video) and returns ``{"latents": (C, f, h, w)}`` -- always 4-D,
+  images too (``f == 1``) -- the VAE posterior mode, normalised the family's way, no batch dim.
+* ``dit_forward`` takes batched latents ``(B, C, f, h, w)`` and sigmas ``(B,)`` in ``[0, 1]`` plus
+  the batched prompt-side tensors, and returns the flow-matching velocity prediction (target
+  ``noise - x0``) in the latents' layout, in the transformer's dtype (packing/unpacking and
+  timestep scaling are its job).
 """
 
 from __future__ import annotations
