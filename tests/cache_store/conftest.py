@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from pathlib import Path
 
 import pytest
@@ -69,11 +70,11 @@ def s3_server():
 
 
 @pytest.fixture
-def s3_bucket(s3_server, request):
+def s3_bucket(s3_server):
     """A fresh bucket per test, created with boto3 against the server."""
     import boto3
 
-    name = "cache-" + request.node.name.lower().replace("_", "-").replace("[", "-").replace("]", "")[:40]
+    name = f"cache-{uuid.uuid4().hex[:16]}"
     client = boto3.client("s3", aws_access_key_id="testing", aws_secret_access_key="testing",
                           endpoint_url=s3_server["client_kwargs"]["endpoint_url"], region_name="us-east-1")
     client.create_bucket(Bucket=name)
