@@ -206,6 +206,8 @@ class OffloadTrainingManager:
 
     def _release(self) -> None:
         self.streamer.evict_all()
+        if self.grad_sink is not None and self.streamer.cuda:
+            self.streamer.copy_stream.synchronize()  # the optimizer is about to rewrite host weights
         self.sched.end_step()
         if self._order:  # homes follow the execution order, so a window never shares a slot
             rest = [u.index for u in self.plan.streamed if u.index not in self._order_seen]

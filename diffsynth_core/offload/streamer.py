@@ -119,14 +119,14 @@ class Streamer:
         unit = slot.occupant
         if unit is None:
             return
+        self.bind_host(unit)
+        if self.poison:  # debug: stale references to the slot now read NaN/garbage, loudly
+            slot.buf.fill_(255)
         if self.cuda:
             # A copy that landed but was never used needs no wait: the next copy into this slot
             # runs on the same copy stream, after it.
             self.ready.pop(unit.index, None)
             slot.free_event = torch.cuda.current_stream(self.device).record_event()
-        self.bind_host(unit)
-        if self.poison:  # debug: stale references to the slot now read NaN/garbage, loudly
-            slot.buf.fill_(255)
         slot.occupant = None
         del self.slot_of[unit.index]
 

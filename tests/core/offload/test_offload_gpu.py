@@ -1,0 +1,122 @@
+"""The engine on CUDA: pinned arena, copy stream, bf16 equivalence, optimizer offload, memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from diffsynth_core.gradient import apply_gradient_checkpointing
+from diffsynth_core.offload import OffloadTrainingManager
+from offload_tiny import ToyStack, add_lora, out_tensor, train
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+
+
+def _to(kwargs, device, dtype):
+    return {k: (v.to(device, dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else
+                v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+@pytest.mark.parametrize("family", ["flux", "qwen_image", "wan"])
+def test_bf16_tiny_dit_lora_matches_resident_training(family, checkpoint):
+    pytest.importorskip("diffusers")
+    from offload_tiny import tiny_dit
+    runs = []
+    for engine in (False, True):
+        model, names, kwargs = tiny_dit(family)
+        model.to(torch.bfloat16)
+        kwargs = _to(kwargs, CUDA, torch.bfloat16)
+        if checkpoint:
+            apply_gradient_checkpointing(model, names)
+        if engine:
+            mgr = OffloadTrainingManager(model, CUDA, block_container_names=names, trainable_dtype=torch.float32,
+                                         poison_evicted=True)
+            assert mgr.report()["pinned"]
+        else:
+            mgr = None
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.data = p.data.float()
+            model.to(CUDA)
+        runs.append(train(model, 3, lambda s, m: out_tensor(model(**kwargs)).float().pow(2).mean(), mgr))
+        if mgr is not None:
+            assert mgr.report()["h2d_copies"] > 0
+            mgr.detach()
+    (la, ga), (lb, gb) = runs
+    for a, b in zip(la, lb):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-3)
+    for sa, sb in zip(ga, gb):
+        for a, b in zip(sa, sb):
+            torch.testing.assert_close(a, b, rtol=5e-2, atol=1e-3)
+
+
+def test_fp32_toy_is_identical_and_optimizer_offload_keeps_grads_on_host():
+    def run(mode):
+        torch.manual_seed(0)
+        model = ToyStack(d=64, n=6)
+        model.offset = model.offset.to(CUDA)
+        mgr = None
+        if mode == "resident":
+            model.to(CUDA)
+        else:
+            mgr = OffloadTrainingManager(model, CUDA, enable_optimizer_cpu_offload=(mode == "optim"),
+                                         poison_evicted=True)
+        xs = [torch.randn(8, 64, generator=torch.Generator().manual_seed(i)).to(CUDA) for i in range(3)]
+        out = train(model, 3, lambda s, m: model(xs[s]).pow(2).mean(), mgr, accumulate=2 if mode == "optim" else 1)
+        if mode == "optim":
+            assert all(p.device.type == "cpu" for b in model.blocks for p in b.parameters())
+            assert mgr.report()["d2h_grad_bytes"] > 0
+        if mgr:
+            mgr.detach()
+        return out
+    ref, got = run("resident"), run("stream")
+    for a, b in zip(ref[0], got[0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    run("optim")
+
+
+def test_peak_memory_drops_by_the_streamed_weights():
+    def stack():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(2048, 4096), nn.GELU(), nn.Linear(4096, 2048))
+                               for _ in range(8)]).to(torch.bfloat16).requires_grad_(False)
+    x = torch.randn(512, 2048, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    model = stack().to(CUDA)
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+    model(x).float().sum().backward()
+    torch.cuda.synchronize()
+    resident_peak = torch.cuda.max_memory_allocated()
+    del model
+    torch.cuda.empty_cache()
+    model = stack()
+    mgr = OffloadTrainingManager(model, CUDA)
+    streamed = mgr.report()["streamed_bytes"]
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+    for _ in range(2):
+        x.grad = None
+        model(x).float().sum().backward()
+        mgr.after_backward()
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() <= resident_peak - 0.9 * streamed
+    mgr.detach()
+
+
+def test_fp8_storage_on_cuda():
+    torch.manual_seed(0)
+    model = ToyStack(d=64).to(torch.bfloat16).requires_grad_(False)
+    model.offset = model.offset.to(CUDA, torch.bfloat16)
+    ref = ToyStack(d=64).to(torch.bfloat16)
+    ref.load_state_dict(model.state_dict())
+    ref.offset = model.offset
+    for blk in ref.blocks:
+        for p in blk.parameters():
+            p.data = p.data.to(torch.float8_e4m3fn).to(torch.bfloat16)
+    ref.to(CUDA)
+    mgr = OffloadTrainingManager(model, CUDA, storage_dtype=torch.float8_e4m3fn)
+    x = torch.randn(4, 64, device=CUDA, dtype=torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+    mgr.detach()
