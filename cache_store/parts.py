@@ -205,14 +205,30 @@ class PartStore:
                 if PART_RE.match(p) and p not in committed and p != self._part]
 
     def cleanup(self, min_age_s: float = 3600.0) -> list[str]:
-        """Delete orphan parts older than ``min_age_s`` (younger ones may be in progress)."""
-        removed, now = [], time.time()
+        """Delete what killed writers left: orphan parts and temp files older than ``min_age_s``.
+
+        Younger ones may belong to a writer that is still running, so they stay.
+        """
+        if self.mode == "r":
+            raise PermissionError(f"cache {self.url} was opened read-only")
+        removed = []
         for part in self.orphan_parts():
-            mtime = self._part_mtime(part)
-            if mtime is not None and now - mtime >= min_age_s:
+            if self._older_than(self._part_mtime(part), min_age_s):
                 self._remove_part_data(part)
                 removed.append(part)
+        for rel in self._junk_files():
+            if self._older_than(self.root.modified(rel), min_age_s):
+                self.root.remove(rel)
+                removed.append(rel)
         return removed
+
+    @staticmethod
+    def _older_than(mtime: float | None, min_age_s: float) -> bool:
+        return mtime is not None and time.time() - mtime >= min_age_s
+
+    def _junk_files(self) -> list[str]:
+        """Temp files of interrupted atomic writes (names end in .partial)."""
+        return [rel for rel in self.root.files() if rel.endswith(".partial")]
 
     def _part_mtime(self, part: str) -> float | None:
         return None

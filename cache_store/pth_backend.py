@@ -64,3 +64,8 @@ class PthStore(PartStore):
         out["meta"] = dict(record.get("meta") or {})
         return out
 
+    def _junk_files(self) -> list[str]:
+        """Temp files, and entry files no manifest names (their writer died before commit)."""
+        named = {rec["file"] for _, rec in self._index.values()} | {r["file"] for r in self._pending.values()}
+        return [rel for rel in self.root.files() if rel.endswith(".partial")
+                or (rel.startswith(f"{ENTRIES}/") and rel.endswith(".safetensors") and rel not in named)]

@@ -66,3 +66,19 @@ def test_sigkill_mid_write_then_rerun_equals_uninterrupted_run(tmp_path, backend
     assert resumed.verify().ok
     stats = resumed.stats()
     assert stats["orphan_parts"] == 0 and stats["duplicates"] == 0  # the writer's dead parts were removed
+
+
+@pytest.mark.parametrize("backend", ["zarr", "pth"])
+def test_cleanup_removes_what_dead_writers_left_but_spares_young_files(tmp_path, backend):
+    url = str(tmp_path / "c")
+    args = ("--backend", backend, "--writer", "part-1-of-2", "--stop", "40", "--commit-every", "6",
+            "--delay", "0.004")
+    _kill_after(start_writer(url, *args), 9, random.Random(1))
+    store = open_cache(url, "a", writer="part-0-of-2")  # another writer: leaves part 1's files alone
+    before = store.stats()
+    assert store.cleanup(min_age_s=3600) == []  # too young: could be a writer still running
+    leftovers = store.cleanup(min_age_s=0)
+    assert leftovers and store.stats()["orphan_parts"] == 0
+    after = store.stats()
+    assert after["files"] < before["files"] and after["entries"] == before["entries"]
+    assert store.verify().errors == []
