@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cache_store import open_cache
+from cache_store import CacheFormatError, open_cache
 
 from .config import RunConfig
 
@@ -12,8 +12,9 @@ from .config import RunConfig
 def _cache_status(cfg: RunConfig) -> dict:
     try:
         store = open_cache(cfg.cache_url, mode="r", storage_options=cfg.cache.storage_options or None)
-    except FileNotFoundError:
-        return {"url": cfg.cache_url, "exists": False, "expected": None, "present": 0, "complete": False}
+    except (FileNotFoundError, CacheFormatError) as err:  # not written yet, or not a cache
+        return {"url": cfg.cache_url, "exists": False, "expected": None, "present": 0, "complete": False,
+                "note": str(err)}
     expected = store.dataset_keys()
     present = len(store.keys())
     missing = len(store.missing_keys()) if expected is not None else None
