@@ -63,3 +63,11 @@ class FamilySpec:
     pipeline_class_name: str
     # Extra, family-specific notes (e.g. default guidance); never read by engines.
     extras: Mapping[str, Any] = field(default_factory=dict)
+    # --- without weights: benchmarks and tests -------------------------------------------------
+    # DiT layouts build_transformer knows: "tiny" plus released ones ("Qwen-Image", "FLUX.1-dev", ...).
+    transformer_variants: tuple[str, ...] = ()
+    # build_transformer(variant, dtype, device) -> the DiT with random N(0, 0.02) weights, made on device
+    build_transformer: Callable[[str, torch.dtype, str], torch.nn.Module] | None = None
+    # dummy_inputs(transformer_config, batch, height, width, num_frames, text_len, seed) -> (latents, cond):
+    # random fp32 CPU tensors shaped like batched cache entries for pixels of that size
+    dummy_inputs: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]] | None = None

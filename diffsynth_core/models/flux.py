@@ -24,6 +24,7 @@ from .base import Components, FamilySpec
 from .inputs import check_pixels
 from .loading import load_components as _load_components
 from .loading import module_dtype
+from .random_models import build_random_transformer, random_tensor
 
 PIPELINE_CLASS = "FluxPipeline"
 ENCODER_COMPONENTS = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "vae")
@@ -37,6 +38,19 @@ DEV_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4
                      num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True)
 SCHNELL_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096, max_shift=1.15,
                          num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False)
+
+
+# DiT layouts: the tiny test model and the released ones (11.90 B parameters).
+TRANSFORMER_CLASS = "FluxTransformer2DModel"
+_FLUX1 = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+              num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, axes_dims_rope=(16, 56, 56))
+TRANSFORMER_CONFIGS = {
+    "tiny": dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=2, attention_head_dim=32,
+                 num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
+                 axes_dims_rope=(8, 12, 12)),
+    "FLUX.1-dev": dict(_FLUX1, guidance_embeds=True),
+    "FLUX.1-schnell": dict(_FLUX1, guidance_embeds=False),
+}
 
 
 def _pipeline_cls():
@@ -72,10 +86,7 @@ def save_tiny_model(out_dir: Path, seed: int = 0, *, guidance_embeds: bool = Tru
             up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=[8, 16, 32, 32], layers_per_block=1,
             norm_num_groups=8, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False,
             use_post_quant_conv=False)
-        transformer = FluxTransformer2DModel(
-            patch_size=1, in_channels=64, num_layers=1, num_single_layers=2, attention_head_dim=32,
-            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
-            guidance_embeds=guidance_embeds, axes_dims_rope=(8, 12, 12))
+        transformer = FluxTransformer2DModel(**dict(TRANSFORMER_CONFIGS["tiny"], guidance_embeds=guidance_embeds))
     scheduler = FlowMatchEulerDiscreteScheduler(**(DEV_SCHEDULER if guidance_embeds else SCHNELL_SCHEDULER))
     pipe = _pipeline_cls()(scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=clip_tok,
                            text_encoder_2=t5, tokenizer_2=t5_tok, transformer=transformer)
@@ -156,6 +167,23 @@ def dit_forward(transformer: torch.nn.Module, latents: torch.Tensor, sigmas: tor
     return pipe_cls._unpack_latents(out, h * VAE_SCALE, w * VAE_SCALE, VAE_SCALE)[:, :, None]
 
 
+# --- without weights -------------------------------------------------------------------------
+
+def build_transformer(variant: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    return build_random_transformer(TRANSFORMER_CLASS, TRANSFORMER_CONFIGS, variant, dtype, device)
+
+
+def dummy_inputs(config: Mapping[str, Any], batch: int = 1, height: int = 64, width: int = 64, num_frames: int = 1,
+                 text_len: int = 32, seed: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    check_pixels(torch.empty(3, num_frames, height, width, device="meta"), multiple=VAE_SCALE * PATCH,
+                 image_only=True)
+    g = torch.Generator().manual_seed(seed)
+    latents = random_tensor((batch, config["in_channels"] // 4, 1, height // VAE_SCALE, width // VAE_SCALE), g)
+    cond = {"prompt_embeds": random_tensor((batch, text_len, config["joint_attention_dim"]), g),
+            "pooled_prompt_embeds": random_tensor((batch, config["pooled_projection_dim"]), g)}
+    return latents, cond
+
+
 # --- LoRA export -----------------------------------------------------------------------------
 
 def export_lora(peft_state_dict: dict[str, torch.Tensor], lora_config: dict[str, Any], out_dir: Path) -> dict[str, Path]:
@@ -186,6 +214,9 @@ SPEC = FamilySpec(
     export_lora=export_lora,
     save_tiny_model=save_tiny_model,
     pipeline_class_name=PIPELINE_CLASS,
+    transformer_variants=tuple(TRANSFORMER_CONFIGS),
+    build_transformer=build_transformer,
+    dummy_inputs=dummy_inputs,
     extras={"latent_channels": 16, "vae_scale_factor": VAE_SCALE, "pixel_multiple": VAE_SCALE * PATCH,
             "default_max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH, "train_guidance": TRAIN_GUIDANCE},
 )

@@ -22,6 +22,7 @@ from .base import Components, FamilySpec
 from .inputs import check_pixels
 from .loading import load_components as _load_components
 from .loading import module_dtype
+from .random_models import build_random_transformer, random_tensor
 
 PIPELINE_CLASS = "QwenImagePipeline"
 ENCODER_COMPONENTS = ("text_encoder", "tokenizer", "vae")
@@ -34,6 +35,17 @@ SCHEDULER_CONFIG = dict(
     base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, num_train_timesteps=1000,
     shift=1.0, shift_terminal=0.02, time_shift_type="exponential", use_dynamic_shifting=True,
 )
+
+
+# DiT layouts: the tiny test model and the released one (20.43 B parameters).
+TRANSFORMER_CLASS = "QwenImageTransformer2DModel"
+TRANSFORMER_CONFIGS = {
+    "tiny": dict(patch_size=PATCH, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=32,
+                 num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(8, 12, 12)),
+    "Qwen-Image": dict(patch_size=PATCH, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+                       num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False,
+                       axes_dims_rope=(16, 56, 56)),
+}
 
 
 def _pipeline_cls():
@@ -70,9 +82,7 @@ def save_tiny_model(out_dir: Path, seed: int = 0) -> Path:
         text_encoder = _tiny_text_encoder(len(tokenizer), tokenizer.eos_token_id)
         vae = AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
                                      temperal_downsample=[False, True, True])
-        transformer = QwenImageTransformer2DModel(
-            patch_size=PATCH, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=32,
-            num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(8, 12, 12))
+        transformer = QwenImageTransformer2DModel(**TRANSFORMER_CONFIGS["tiny"])
     pipe = _pipeline_cls()(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG), vae=vae,
                            text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
     pipe.save_pretrained(out_dir)
@@ -139,6 +149,23 @@ def dit_forward(transformer: torch.nn.Module, latents: torch.Tensor, sigmas: tor
     return pipe_cls._unpack_latents(out, h * VAE_SCALE, w * VAE_SCALE, VAE_SCALE)
 
 
+# --- without weights -------------------------------------------------------------------------
+
+def build_transformer(variant: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    return build_random_transformer(TRANSFORMER_CLASS, TRANSFORMER_CONFIGS, variant, dtype, device)
+
+
+def dummy_inputs(config: Mapping[str, Any], batch: int = 1, height: int = 64, width: int = 64, num_frames: int = 1,
+                 text_len: int = 32, seed: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    check_pixels(torch.empty(3, num_frames, height, width, device="meta"), multiple=VAE_SCALE * PATCH,
+                 image_only=True)
+    g = torch.Generator().manual_seed(seed)
+    latents = random_tensor((batch, config["in_channels"] // 4, 1, height // VAE_SCALE, width // VAE_SCALE), g)
+    cond = {"prompt_embeds": random_tensor((batch, text_len, config["joint_attention_dim"]), g),
+            "prompt_embeds_mask": torch.ones(batch, text_len, dtype=torch.long)}
+    return latents, cond
+
+
 # --- LoRA export -----------------------------------------------------------------------------
 
 def export_lora(peft_state_dict: dict[str, torch.Tensor], lora_config: dict[str, Any], out_dir: Path) -> dict[str, Path]:
@@ -166,6 +193,9 @@ SPEC = FamilySpec(
     export_lora=export_lora,
     save_tiny_model=save_tiny_model,
     pipeline_class_name=PIPELINE_CLASS,
+    transformer_variants=tuple(TRANSFORMER_CONFIGS),
+    build_transformer=build_transformer,
+    dummy_inputs=dummy_inputs,
     extras={"latent_channels": 16, "vae_scale_factor": VAE_SCALE, "pixel_multiple": VAE_SCALE * PATCH,
             "default_max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH},
 )

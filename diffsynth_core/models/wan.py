@@ -23,6 +23,7 @@ from .base import Components, FamilySpec
 from .inputs import check_pixels
 from .loading import load_components as _load_components
 from .loading import module_dtype
+from .random_models import build_random_transformer, random_tensor
 
 PIPELINE_CLASS = "WanPipeline"
 ENCODER_COMPONENTS = ("text_encoder", "tokenizer", "vae")
@@ -74,6 +75,19 @@ def native_name(name: str) -> str:
     return ".".join(parts[:2] + out)
 
 
+# DiT layouts: the tiny test model and the released T2V ones (14.29 B / 1.42 B parameters).
+TRANSFORMER_CLASS = "WanTransformer3DModel"
+_WAN21 = dict(patch_size=(1, PATCH, PATCH), in_channels=16, out_channels=16, text_dim=4096, freq_dim=256,
+              attention_head_dim=128, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
+              rope_max_seq_len=1024)
+TRANSFORMER_CONFIGS = {
+    "tiny": dict(patch_size=(1, PATCH, PATCH), num_attention_heads=2, attention_head_dim=24, in_channels=16,
+                 out_channels=16, text_dim=32, freq_dim=256, ffn_dim=128, num_layers=2),
+    "Wan2.1-T2V-14B": dict(_WAN21, num_attention_heads=40, ffn_dim=13824, num_layers=40),
+    "Wan2.1-T2V-1.3B": dict(_WAN21, num_attention_heads=12, ffn_dim=8960, num_layers=30),
+}
+
+
 def _pipeline_cls():
     from diffusers import WanPipeline
 
@@ -95,9 +109,7 @@ def save_tiny_model(out_dir: Path, seed: int = 0) -> Path:
             feed_forward_proj="gated-gelu", relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1))
         vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
                                temperal_downsample=[False, True, True])
-        transformer = WanTransformer3DModel(
-            patch_size=(1, PATCH, PATCH), num_attention_heads=2, attention_head_dim=24, in_channels=16,
-            out_channels=16, text_dim=32, freq_dim=256, ffn_dim=128, num_layers=2)
+        transformer = WanTransformer3DModel(**TRANSFORMER_CONFIGS["tiny"])
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                         num_train_timesteps=NUM_TRAIN_TIMESTEPS, flow_shift=3.0)
     pipe = _pipeline_cls()(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
@@ -166,6 +178,22 @@ def dit_forward(transformer: torch.nn.Module, latents: torch.Tensor, sigmas: tor
     )[0]
 
 
+# --- without weights -------------------------------------------------------------------------
+
+def build_transformer(variant: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    return build_random_transformer(TRANSFORMER_CLASS, TRANSFORMER_CONFIGS, variant, dtype, device)
+
+
+def dummy_inputs(config: Mapping[str, Any], batch: int = 1, height: int = 64, width: int = 64, num_frames: int = 1,
+                 text_len: int = 32, seed: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    check_pixels(torch.empty(3, num_frames, height, width, device="meta"), multiple=VAE_SCALE * PATCH,
+                 frame_multiple=FRAME_MULTIPLE)
+    g = torch.Generator().manual_seed(seed)
+    frames = (num_frames - 1) // FRAME_MULTIPLE + 1
+    latents = random_tensor((batch, config["in_channels"], frames, height // VAE_SCALE, width // VAE_SCALE), g)
+    return latents, {"prompt_embeds": random_tensor((batch, text_len, config["text_dim"]), g)}
+
+
 # --- LoRA export -----------------------------------------------------------------------------
 
 def export_lora(peft_state_dict: dict[str, torch.Tensor], lora_config: dict[str, Any], out_dir: Path) -> dict[str, Path]:
@@ -192,6 +220,9 @@ SPEC = FamilySpec(
     export_lora=export_lora,
     save_tiny_model=save_tiny_model,
     pipeline_class_name=PIPELINE_CLASS,
+    transformer_variants=tuple(TRANSFORMER_CONFIGS),
+    build_transformer=build_transformer,
+    dummy_inputs=dummy_inputs,
     extras={"latent_channels": 16, "vae_scale_factor": VAE_SCALE, "pixel_multiple": VAE_SCALE * PATCH,
             "default_max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH, "num_train_timesteps": NUM_TRAIN_TIMESTEPS},
 )

@@ -156,3 +156,34 @@ def test_flux_original_bfl_names_convert_to_the_diffusers_layout():
         expected = FluxTransformer2DModel(num_layers=1, num_single_layers=1, guidance_embeds=True).state_dict()
     assert converted.keys() == expected.keys()
     assert all(converted[k].shape == v.shape for k, v in expected.items())
+
+
+RELEASED_SIZES = {"Qwen-Image": 20.43e9, "FLUX.1-dev": 11.90e9, "FLUX.1-schnell": 11.90e9,
+                  "Wan2.1-T2V-14B": 14.29e9, "Wan2.1-T2V-1.3B": 1.42e9}
+
+
+@pytest.mark.parametrize("family", ["qwen_image", "flux", "wan"])
+def test_released_layouts_have_the_published_parameter_counts(family):
+    spec = get_family(family)
+    released = [v for v in spec.transformer_variants if v != "tiny"]
+    assert released
+    for variant in released:
+        model = spec.build_transformer(variant, torch.bfloat16, "meta")
+        count = sum(p.numel() for p in model.parameters())
+        assert count == pytest.approx(RELEASED_SIZES[variant], rel=2e-3), variant
+
+
+@pytest.mark.parametrize("family, frames", [("qwen_image", 1), ("flux", 1), ("wan", 5)])
+def test_random_tiny_transformer_runs_on_dummy_inputs(family, frames):
+    spec = get_family(family)
+    model = spec.build_transformer("tiny", torch.bfloat16, "cpu")
+    keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+    for name, p in model.named_parameters():
+        assert p.device.type == "cpu" and torch.isfinite(p.float()).all(), name
+        assert p.dtype == (torch.float32 if any(m in name.split(".") for m in keep) else torch.bfloat16), name
+    latents, cond = spec.dummy_inputs(model.config, batch=2, height=32, width=48, num_frames=frames, text_len=7)
+    with torch.no_grad():
+        out = spec.dit_forward(model, latents, torch.tensor([0.2, 0.9]), cond)
+    assert out.shape == latents.shape and torch.isfinite(out.float()).all()
+    with pytest.raises(KeyError, match="known"):
+        spec.build_transformer("nope", torch.float32, "cpu")

@@ -1,0 +1,51 @@
+"""DiTs with random weights in released layouts, and random inputs shaped like the cache (benchmarks).
+
+Weights are created directly on the target device in the target dtype (meta init, then one
+tensor at a time), so a 20 B-parameter layout needs 1x its bf16 size and no fp32 detour.  The
+family's ``_keep_in_fp32_modules`` stay fp32, as ``from_pretrained(dtype=...)`` would leave them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+
+def _random_like(name: str, shape: torch.Size, dtype: torch.dtype, device: torch.device,
+                 generator: torch.Generator | None) -> torch.Tensor:
+    if len(shape) == 1 and name.endswith("bias"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    if len(shape) == 1:  # norm scales
+        return torch.ones(shape, dtype=dtype, device=device)
+    out = torch.empty(shape, dtype=dtype, device=device)
+    return out.normal_(0.0, 0.02, generator=generator) if device.type != "meta" else out
+
+
+def build_random_transformer(class_name: str, configs: Mapping[str, Mapping[str, Any]], variant: str,
+                             dtype: torch.dtype, device: str | torch.device, seed: int = 0) -> torch.nn.Module:
+    """``diffusers.<class_name>(**configs[variant])`` with N(0, 0.02) weights on ``device`` in ``dtype``."""
+    import diffusers
+    from accelerate import init_empty_weights
+    from accelerate.utils import set_module_tensor_to_device
+
+    from .single_file import _target_dtype
+
+    if variant not in configs:
+        raise KeyError(f"unknown transformer variant {variant!r}; known: {', '.join(configs)}")
+    device = torch.device(device)
+    with init_empty_weights():  # parameters on meta; buffers (RoPE tables) real, on the CPU
+        model = getattr(diffusers, class_name)(**configs[variant])
+    keep_fp32 = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+    generator = torch.Generator(device).manual_seed(seed) if device.type != "meta" else None
+    for name, param in list(model.named_parameters()):
+        value = _random_like(name, param.shape, _target_dtype(name, dtype, keep_fp32), device, generator)
+        set_module_tensor_to_device(model, name, device, value=value, dtype=value.dtype)
+    for name, buffer in list(model.named_buffers()):
+        set_module_tensor_to_device(model, name, device, value=buffer, dtype=buffer.dtype)
+    return model.eval()
+
+
+def random_tensor(shape: tuple[int, ...], generator: torch.Generator, dtype: torch.dtype = torch.float32,
+                  device: str | torch.device = "cpu") -> torch.Tensor:
+    return torch.randn(shape, generator=generator, dtype=torch.float32).to(device=device, dtype=dtype)
