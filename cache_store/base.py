@@ -55,6 +55,8 @@ class CacheStore(Protocol):
     def dataset_keys(self) -> list[str] | None: ...
     def missing_keys(self) -> list[str]: ...              # dataset keys not yet committed
     def require_complete(self, allow_partial: bool = False) -> list[str]: ...  # keys to train on
+    def refresh(self) -> None: ...                        # re-read manifests other writers committed
+    def cleanup(self, min_age_s: float = 3600.0) -> list[str]: ...  # remove dead writers' leftovers
 
 
 def tensor_nbytes(entry: Entry) -> int:

@@ -16,7 +16,7 @@ from zarr.codecs import ZstdCodec
 from zarr.errors import ContainsGroupError
 
 from ._fs import Root
-from .base import Entry
+from .base import CacheFormatError, Entry
 from .codec import align, pack_entry, unpack_entry
 from .parts import PartStore
 
@@ -54,7 +54,8 @@ class ZarrStore(PartStore):
         self._arrays[part] = zarr.create_array(
             store=self._zstore, name=f"{PARTS}/{part}", shape=(0,), dtype="uint8",
             chunks=(CHUNK_BYTES,), shards=(SHARD_BYTES,), compressors=self._compressors,
-            fill_value=0, attributes={"splitflow": "entries back to back; see manifests/" + part + ".json"})
+            fill_value=0, config={"write_empty_chunks": True},  # so every shard exists as a file
+            attributes={"splitflow": "entries back to back; see manifests/" + part + ".json"})
         self._buf, self._flushed = bytearray(), 0
 
     def _write_entry(self, part: str, key: str, entry: Entry) -> dict[str, Any]:
@@ -77,6 +78,11 @@ class ZarrStore(PartStore):
     def _finish_part(self, part: str) -> None:
         if self._buf:
             self._flush(len(self._buf))
+        shards = -(-self._flushed // SHARD_BYTES)
+        if len(self.root.listdir(f"{PARTS}/{part}/c")) != shards:  # never publish a manifest without data
+            raise CacheFormatError(
+                f"cache {self.url}: part {part} vanished before its commit (did a second process run with "
+                f"writer id {self.writer!r} and remove it as dead?); its entries were not committed")
 
     def _array(self, part: str) -> zarr.Array:
         if part not in self._arrays:

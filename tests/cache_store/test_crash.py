@@ -6,6 +6,7 @@ import random
 import signal
 
 import pytest
+import torch
 
 from cache_store import open_cache
 from tests.cache_store.conftest import finish, start_writer
@@ -82,3 +83,16 @@ def test_cleanup_removes_what_dead_writers_left_but_spares_young_files(tmp_path,
     after = store.stats()
     assert after["files"] < before["files"] and after["entries"] == before["entries"]
     assert store.verify().errors == []
+
+
+def test_a_writer_whose_part_was_removed_refuses_to_commit(tmp_path):
+    """Two processes with one writer id: the second drops the first's part as dead; the first
+    must then fail loudly instead of publishing a manifest that points at nothing."""
+    first = open_cache(tmp_path / "c", "a", writer="part-0-of-1")
+    for i in range(3):  # 36 MB: more than one 32 MiB shard is already on disk
+        first.put(f"big{i}", {"x": torch.zeros(3 * 2**20, dtype=torch.float32)})
+    second = open_cache(tmp_path / "c", "a", writer="part-0-of-1")
+    assert second.keys() == []
+    with pytest.raises(Exception, match="vanished before its commit"):
+        first.commit()
+    assert open_cache(tmp_path / "c").keys() == []
