@@ -23,7 +23,7 @@ from . import lora_export, single_file, tiny_tokenizers
 from .base import Components, FamilySpec
 from .inputs import check_pixels
 from .loading import load_components as _load_components
-from .loading import module_dtype
+from .loading import module_dtype, unwrap
 from .random_models import build_random_transformer, random_tensor
 
 PIPELINE_CLASS = "FluxPipeline"
@@ -156,7 +156,7 @@ def dit_forward(transformer: torch.nn.Module, latents: torch.Tensor, sigmas: tor
     packed = pipe_cls._pack_latents(latents[:, :, 0].to(dtype), b, c, h, w)
     embeds = cond["prompt_embeds"].to(dtype)
     guidance = None
-    if transformer.config.guidance_embeds:
+    if unwrap(transformer).config.guidance_embeds:
         guidance = torch.full((b,), TRAIN_GUIDANCE, device=device, dtype=torch.float32)
     out = transformer(
         hidden_states=packed, timestep=sigmas.to(dtype), guidance=guidance,

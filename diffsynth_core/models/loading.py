@@ -77,10 +77,19 @@ def load_components(path: Path, names: tuple[str, ...], dtype: torch.dtype, devi
     return {name: load_component(Path(path), name, dtype, device) for name in names}
 
 
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The diffusers model inside DDP (``.module``) or ``torch.compile`` (``._orig_mod``) wrappers."""
+    for attr in ("module", "_orig_mod"):
+        inner = getattr(module, attr, None)
+        if isinstance(inner, torch.nn.Module):
+            return unwrap(inner)
+    return module
+
+
 def module_dtype(module: torch.nn.Module) -> torch.dtype:
     """The compute dtype of a (possibly LoRA-wrapped) DiT: its output projection's base weight dtype.
 
     ``ModelMixin.dtype`` may report fp32 once fp32 LoRA parameters are injected into a bf16 model.
     """
-    proj = module.proj_out
+    proj = unwrap(module).proj_out
     return getattr(proj, "base_layer", proj).weight.dtype

@@ -187,3 +187,23 @@ def test_random_tiny_transformer_runs_on_dummy_inputs(family, frames):
     assert out.shape == latents.shape and torch.isfinite(out.float()).all()
     with pytest.raises(KeyError, match="known"):
         spec.build_transformer("nope", torch.float32, "cpu")
+
+
+def test_dit_forward_accepts_wrapped_models():
+    """DDP-style ``.module`` and torch.compile-style ``._orig_mod`` wrappers are looked through."""
+    spec = get_family("flux")
+    model = spec.build_transformer("tiny", torch.float32, "cpu")
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.module = inner
+
+        def forward(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+    latents, cond = spec.dummy_inputs(model.config, height=32, width=32)
+    sigmas = torch.tensor([0.4])
+    with torch.no_grad():
+        assert torch.equal(spec.dit_forward(Wrapper(model), latents, sigmas, cond),
+                           spec.dit_forward(model, latents, sigmas, cond))
