@@ -40,26 +40,47 @@ def lora_modules(peft_state_dict: dict[str, torch.Tensor]) -> list[str]:
     return sorted(modules)
 
 
-def adapter_metadata(lora_config: dict[str, Any]) -> dict[str, Any]:
-    """The full peft ``LoraConfig`` as a dict (validates the keys; what diffusers stores in the header)."""
+def adapter_metadata(lora_config: dict[str, Any], modules: list[str] | None = None) -> dict[str, Any]:
+    """The full peft ``LoraConfig`` as a dict: what diffusers stores in the header and rebuilds on load.
+
+    ``target_modules`` becomes the exact module list when given (no suffix or regex guessing on
+    reload), and ``init_lora_weights`` is ``True``: the weights are overwritten on load anyway,
+    while initialisations such as PiSSA/OLoRA would rewrite the *base* weights when reloaded.
+    """
     from peft import LoraConfig
 
     for key in ("r", "lora_alpha", "target_modules"):
         if key not in lora_config:
             raise ValueError(f"lora_config is missing {key!r} (got {sorted(lora_config)})")
-    config = LoraConfig(**lora_config).to_dict()
+    values = dict(lora_config, init_lora_weights=True)
+    if modules is not None:
+        values["target_modules"] = list(modules)
+    try:
+        config = LoraConfig(**values).to_dict()
+    except TypeError as exc:
+        raise ValueError(f"lora_config has a key peft's LoraConfig does not know: {exc}") from exc
     return json.loads(json.dumps(config, default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
+
+
+def _check_rank(peft_state_dict: dict[str, torch.Tensor], lora_config: dict[str, Any]) -> None:
+    if lora_config.get("rank_pattern"):
+        return
+    for key, value in peft_state_dict.items():
+        if key.endswith(".lora_A.weight") and value.shape[0] != int(lora_config["r"]):
+            raise ValueError(f"{key} has rank {value.shape[0]} but lora_config says r={lora_config['r']}")
 
 
 def save_diffusers_lora(pipeline_cls: type, peft_state_dict: dict[str, torch.Tensor],
                         lora_config: dict[str, Any], out_dir: Path) -> Path:
     """Write ``out_dir/lora.safetensors`` with the pipeline's own ``save_lora_weights``."""
-    lora_modules(peft_state_dict)
+    modules = lora_modules(peft_state_dict)
+    _check_rank(peft_state_dict, lora_config)
+    metadata = adapter_metadata(lora_config, modules)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous() for k, v in peft_state_dict.items()}
     pipeline_cls.save_lora_weights(out_dir, transformer_lora_layers=tensors, weight_name=DIFFUSERS_FILE,
-                                   transformer_lora_adapter_metadata=adapter_metadata(lora_config))
+                                   transformer_lora_adapter_metadata=metadata)
     return out_dir / DIFFUSERS_FILE
 
 
@@ -99,6 +120,6 @@ def save_comfy_lora(state_dict: dict[str, torch.Tensor], lora_config: dict[str, 
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / COMFYUI_FILE
     # Not diffusers' "lora_adapter_metadata" key: its loader would read it as a prefixed config.
-    metadata = {"format": "pt", "splitflow_lora_config": json.dumps(adapter_metadata(lora_config))}
+    metadata = {"format": "pt", "splitflow_lora_config": json.dumps(adapter_metadata(lora_config, None))}
     save_file(state_dict, str(path), metadata=metadata)
     return path

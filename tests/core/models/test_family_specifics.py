@@ -207,3 +207,39 @@ def test_dit_forward_accepts_wrapped_models():
     with torch.no_grad():
         assert torch.equal(spec.dit_forward(Wrapper(model), latents, sigmas, cond),
                            spec.dit_forward(model, latents, sigmas, cond))
+
+
+def _tiny_lora_state_dict(rank=2):
+    g = torch.Generator().manual_seed(0)
+    sd = {}
+    for module in ("blocks.0.attn1.to_q", "blocks.1.attn2.to_out.0"):
+        sd[module + ".lora_A.weight"] = torch.randn(rank, 24 * 2, generator=g)
+        sd[module + ".lora_B.weight"] = torch.randn(24 * 2, rank, generator=g)
+    return sd
+
+
+def test_export_header_names_exact_modules_and_a_reload_safe_init(tmp_path):
+    import json
+
+    from safetensors import safe_open
+
+    config = {"r": 2, "lora_alpha": 2.0, "target_modules": ["to_q", "to_out.0"], "init_lora_weights": "default"}
+    paths = get_family("wan").export_lora(_tiny_lora_state_dict(), config, tmp_path)
+    with safe_open(str(paths["diffusers"]), "pt") as f:
+        meta = json.loads(f.metadata()["lora_adapter_metadata"])
+    assert sorted(meta["transformer.target_modules"]) == ["blocks.0.attn1.to_q", "blocks.1.attn2.to_out.0"]
+    assert meta["transformer.init_lora_weights"] is True
+    with safe_open(str(paths["comfyui"]), "pt") as f:
+        assert sorted(f.keys()) == sorted(
+            f"diffusion_model.{m}.{s}" for m in ("blocks.0.self_attn.q", "blocks.1.cross_attn.o")
+            for s in ("alpha", "lora_A.weight", "lora_B.weight"))
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"r": 3, "lora_alpha": 3, "target_modules": ["to_q"]}, "rank 2"),
+    ({"r": 2, "lora_alpha": 2, "target_modules": ["to_q"], "not_a_field": 1}, "not_a_field"),
+    ({"r": 2, "target_modules": ["to_q"]}, "lora_alpha"),
+])
+def test_export_rejects_configs_that_do_not_describe_the_weights(config, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        get_family("qwen_image").export_lora(_tiny_lora_state_dict(), config, tmp_path)
