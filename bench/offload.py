@@ -222,6 +222,9 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--cases", default="stack,flux,optim")
     args = ap.parse_args()
+    # torch 2.11's cuDNN SDPA gave NaN / an illegal memory access on diffusers FLUX here, with and
+    # without the engine; flash attention is used for every mode alike.
+    torch.backends.cuda.enable_cudnn_sdp(False)
     bw = pinned_bandwidth()
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "h2d_pinned_gb_s": bw}
     cases = args.cases.split(",")

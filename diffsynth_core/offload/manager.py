@@ -128,7 +128,7 @@ class OffloadTrainingManager:
         handles = []
         for unit in self.plan.units:
             handles.append(unit.module.register_forward_pre_hook(self._pre_hook(unit)))
-            handles.append(unit.module.register_forward_hook(self._post_hook(unit)))
+            handles.append(unit.module.register_forward_hook(self._post_hook(unit), with_kwargs=True))
         return handles
 
     def _pre_hook(self, unit):
@@ -137,10 +137,10 @@ class OffloadTrainingManager:
         return hook
 
     def _post_hook(self, unit):
-        def hook(module, args, output):
+        def hook(module, args, kwargs, output):
             if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
                 return  # inference, or a recompute inside backward: no backward of its own
-            inputs = {id(t) for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)}
+            inputs = {id(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
             outs = [t for t in tree_flatten(output)[0]
                     if isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in inputs]
             if outs:  # the unit's backward starts when the first of its outputs gets a gradient
@@ -199,7 +199,11 @@ class OffloadTrainingManager:
         if self.grad_sink is not None:
             self.grad_sink.remove()
         self.plan.restore(self.streamer)
+        if self.streamer.cuda:  # no copy may still read the host memory we are about to free
+            torch.cuda.synchronize(self.device)
         self.arena.release()
+        if self.grad_sink is not None:
+            self.grad_sink.arena.release()
         self.streamer = None
         delattr(self.model, _MARK)
         return self.model

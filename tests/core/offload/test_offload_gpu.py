@@ -14,6 +14,16 @@ pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
 
 
+@pytest.fixture(autouse=True)
+def _no_cudnn_attention():
+    # torch 2.11's cuDNN SDPA backend returns NaN on tiny FLUX training on the H200 (resident, no
+    # engine involved); every other backend agrees.  Keep it off for these comparisons.
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    yield
+    torch.backends.cuda.enable_cudnn_sdp(before)
+
+
 def _to(kwargs, device, dtype):
     return {k: (v.to(device, dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else
                 v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
