@@ -17,10 +17,14 @@ from fsspec.implementations.local import LocalFileSystem
 
 class Root:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
-        self.url = url
+        self.url, self.storage_options = url, storage_options
         self.fs, self.path = fsspec.core.url_to_fs(url, **(storage_options or {}))
         self.path = self.path.rstrip("/")
         self.local = isinstance(self.fs, LocalFileSystem)
+
+    def reopen(self) -> "Root":
+        """A fresh connection (fsspec drops its cached instances in a forked child)."""
+        return Root(self.url, self.storage_options)
 
     def full(self, rel: str) -> str:
         return f"{self.path}/{rel}" if rel else self.path

@@ -10,6 +10,7 @@ Backends (zarr, pth) only decide how an entry's bytes are stored.
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 import uuid
@@ -35,13 +36,27 @@ class PartStore:
     def __init__(self, root: Root, mode: str, fingerprint: str | None, writer: str | None):
         if writer is not None and not WRITER_RE.match(writer):
             raise ValueError(f"writer id {writer!r} must match {WRITER_RE.pattern}")
-        self.root, self.url, self.mode, self.fingerprint = root, root.url, mode, fingerprint
+        self._root, self._pid = root, os.getpid()
+        self.url, self.mode, self.fingerprint = root.url, mode, fingerprint
         self.writer = writer or "writer"
         self._part: str | None = None          # part being written by this process
         self._pending: dict[str, dict] = {}    # key -> record, not yet committed
         self.refresh()
 
+    @property
+    def root(self) -> Root:
+        self._reconnect_if_forked()
+        return self._root
+
+    def _reconnect_if_forked(self) -> None:
+        """DataLoader workers fork the store; network clients (s3fs) cannot cross a fork."""
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._root = self._root.reopen()
+            self._after_fork()
+
     # ---- backend hooks ------------------------------------------------------------------
+    def _after_fork(self) -> None: ...
     def _start_part(self, part: str) -> None: ...
     def _write_entry(self, part: str, key: str, entry: Entry) -> dict[str, Any]: raise NotImplementedError
     def _finish_part(self, part: str) -> None: ...

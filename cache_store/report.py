@@ -70,8 +70,8 @@ def format_inspect(info: dict[str, Any]) -> str:
     lines += [f"  missing: {k}" for k in info.get("missing_examples", [])]
     if info.get("verified"):
         errors = info["errors"]
-        lines.append(f"verify       {info['checked']} entries read, {len(errors)} bad: "
-                     + ("OK" if info["ok"] else "FAILED"))
+        lines.append(f"verify       {info['checked']} entries read, {len(errors)} bad, "
+                     f"{info['missing']} missing: " + ("OK" if info["ok"] else "FAILED"))
         lines += [f"  {e}" for e in errors[:MAX_LISTED]]
         if len(errors) > MAX_LISTED:
             lines.append(f"  ... and {len(errors) - MAX_LISTED} more")

@@ -36,6 +36,7 @@ class ZarrStore(PartStore):
 
     def __init__(self, root: Root, mode: str, fingerprint: str | None, writer: str | None,
                  storage_options: dict | None = None, compression: str | None = "zstd"):
+        self._storage_options = storage_options
         self._zstore = zarr_store(root, root.url, storage_options, read_only=(mode == "r"))
         self._compressors = [ZstdCodec(level=1)] if compression == "zstd" else None
         if compression not in ("zstd", None):
@@ -50,7 +51,12 @@ class ZarrStore(PartStore):
             except ContainsGroupError:
                 pass  # a concurrent writer created it between zarr's check and its write
 
+    def _after_fork(self) -> None:
+        self._zstore = zarr_store(self._root, self.url, self._storage_options, read_only=(self.mode == "r"))
+        self._arrays = {}
+
     def _start_part(self, part: str) -> None:
+        self._reconnect_if_forked()
         self._arrays[part] = zarr.create_array(
             store=self._zstore, name=f"{PARTS}/{part}", shape=(0,), dtype="uint8",
             chunks=(CHUNK_BYTES,), shards=(SHARD_BYTES,), compressors=self._compressors,
@@ -85,6 +91,7 @@ class ZarrStore(PartStore):
                 f"writer id {self.writer!r} and remove it as dead?); its entries were not committed")
 
     def _array(self, part: str) -> zarr.Array:
+        self._reconnect_if_forked()
         if part not in self._arrays:
             self._arrays[part] = zarr.open_array(store=self._zstore, path=f"{PARTS}/{part}", mode="r")
         return self._arrays[part]

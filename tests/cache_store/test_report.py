@@ -22,7 +22,7 @@ def test_inspect_and_verify(tmp_path):
 
     checked = inspect_cache(str(tmp_path / "c"), verify=True)
     assert checked["checked"] == 4 and checked["errors"] == [] and not checked["ok"]  # 1 missing
-    assert "verify       4 entries read, 0 bad: FAILED" in format_inspect(checked)
+    assert "verify       4 entries read, 0 bad, 1 missing: FAILED" in format_inspect(checked)
 
     store.put(key_of(4), make_entry(4))
     store.commit()

@@ -6,6 +6,7 @@ import json
 import signal
 
 import pytest
+import torch
 
 from cache_store import CacheFormatError, open_cache
 from cache_store.report import inspect_cache
@@ -61,3 +62,31 @@ def test_fingerprint_is_checked_on_s3(s3_bucket):
     open_cache(url, "a", fingerprint="enc-a", storage_options=options)
     with pytest.raises(CacheFormatError, match="'enc-a'.*'enc-b'"):
         open_cache(url, "a", fingerprint="enc-b", storage_options=options)
+
+
+class _Samples(torch.utils.data.Dataset):
+    def __init__(self, store, keys):
+        self.store, self.keys = store, keys
+
+    def __len__(self):
+        return len(self.keys)
+
+    def __getitem__(self, i):
+        return self.store.get(self.keys[i])["latents"]
+
+
+@pytest.mark.parametrize("backend", ["zarr", "pth"])
+def test_dataloader_workers_read_a_store_opened_before_fork(s3_bucket, backend):
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/fork.zarr"
+    writer = open_cache(url, "a", backend=backend, storage_options=options)
+    for i in range(8):
+        writer.put(key_of(i), make_entry(i))
+    writer.commit()
+    reader = open_cache(url, storage_options=options)
+    reader.get(key_of(0))  # the parent has live connections before the workers fork
+    keys = [key_of(i) for i in range(8)]
+    loader = torch.utils.data.DataLoader(_Samples(reader, keys), batch_size=None, num_workers=2,
+                                         multiprocessing_context="fork")
+    got = list(loader)
+    assert all(torch.equal(t, make_entry(i)["latents"]) for i, t in enumerate(got))
