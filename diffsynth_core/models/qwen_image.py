@@ -168,7 +168,8 @@ def dummy_inputs(config: Mapping[str, Any], batch: int = 1, height: int = 64, wi
 
 # --- LoRA export -----------------------------------------------------------------------------
 
-def export_lora(peft_state_dict: dict[str, torch.Tensor], lora_config: dict[str, Any], out_dir: Path) -> dict[str, Path]:
+def export_lora(peft_state_dict: dict[str, torch.Tensor], lora_config: dict[str, Any],
+                out_dir: Path) -> dict[str, Path]:
     """diffusers file always; a ComfyUI file (``diffusion_model.<name>`` + ``.alpha``) only when alpha != r,
     since ComfyUI already reads the diffusers names for Qwen-Image but ignores the header's alpha."""
     paths = {"diffusers": lora_export.save_diffusers_lora(_pipeline_cls(), peft_state_dict, lora_config, out_dir)}

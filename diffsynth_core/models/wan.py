@@ -54,7 +54,7 @@ _NATIVE_BLOCK = {
 
 
 def native_name(name: str) -> str:
-    """Wan's original name of a diffusers module or parameter name (``blocks.0.attn1.to_q`` -> ``blocks.0.self_attn.q``)."""
+    """Wan's original name of a diffusers module or parameter (``blocks.0.attn1.to_q`` -> ``blocks.0.self_attn.q``)."""
     for diffusers_name, native in _NATIVE_ROOT.items():
         if name == diffusers_name or name.startswith(diffusers_name + "."):
             return native + name[len(diffusers_name):]
@@ -196,7 +196,8 @@ def dummy_inputs(config: Mapping[str, Any], batch: int = 1, height: int = 64, wi
 
 # --- LoRA export -----------------------------------------------------------------------------
 
-def export_lora(peft_state_dict: dict[str, torch.Tensor], lora_config: dict[str, Any], out_dir: Path) -> dict[str, Path]:
+def export_lora(peft_state_dict: dict[str, torch.Tensor], lora_config: dict[str, Any],
+                out_dir: Path) -> dict[str, Path]:
     """diffusers file plus, always, a ComfyUI file with native keys and ``.alpha`` tensors."""
     paths = {"diffusers": lora_export.save_diffusers_lora(_pipeline_cls(), peft_state_dict, lora_config, out_dir)}
     sd = lora_export.comfy_state_dict(peft_state_dict, lora_config, lambda m: "diffusion_model." + native_name(m))
