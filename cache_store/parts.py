@@ -19,8 +19,8 @@ from typing import Any, Iterable
 import torch
 
 from ._fs import Root
-from .codec import KEY_RE
 from .base import CacheFormatError, Entry, IncompleteCacheError, VerifyReport
+from .codec import KEY_RE
 
 MANIFESTS = "manifests"
 DATASET_KEYS = "dataset-keys.json"
