@@ -142,7 +142,8 @@ def _summarise(res, bandwidth):
         r["step_over_bound"] = r["step_s"] / bound
         r["step_over_resident"] = r["step_s"] / resident
         r["peak_saving_gb"] = res["resident"]["peak_gb"] - r["peak_gb"]
-        r["peak_target_met"] = r["peak_gb"] <= res["resident"]["peak_gb"] - 0.9 * r["streamed_weight_gb"]
+        if r["budget_units"] == 0:  # the target is stated for "everything streamed"
+            r["peak_target_met"] = r["peak_gb"] <= res["resident"]["peak_gb"] - 0.9 * r["streamed_weight_gb"]
 
 
 def stack_case(quick: bool, steps: int, bandwidth: float) -> dict:
@@ -193,7 +194,8 @@ def flux_case(quick: bool, steps: int, bandwidth: float) -> dict:
                   img_ids=ids.to(CUDA), txt_ids=torch.zeros(txt, 3, device=CUDA),
                   guidance=torch.tensor([3.5], **bf), return_dict=False)
         return lambda: model(**kw)[0].float().pow(2).mean()
-    return compare("flux", build, loss_of, names, steps, bandwidth)
+    return compare("flux", build, loss_of, names, steps, bandwidth,
+                   extra_modes=[("budget_12gib", dict(prefetch=1, vram_budget_gb=12.0))])
 
 
 def optimizer_offload_case(quick: bool, steps: int) -> dict:
@@ -206,13 +208,28 @@ def optimizer_offload_case(quick: bool, steps: int) -> dict:
     res = {}
     model = build().to(CUDA)
     res["all_gpu"] = timed_steps(model, lambda: model(x).pow(2).mean(), None, steps)
-    for mode, opts in (("optimizer_offload", dict(prefetch=1)), ("optimizer_offload_prefetch3", dict(prefetch=3))):
+    # prefetch 9 = ten slots: every weight stays on the GPU from its forward to its backward, so it
+    # crosses the link once per step; gradients and optimizer state still live on the host.
+    for mode, opts in (("optimizer_offload", dict(prefetch=1)), ("optimizer_offload_prefetch9", dict(prefetch=9))):
         model = build()
         mgr = OffloadTrainingManager(model, CUDA, enable_optimizer_cpu_offload=True, **opts)
         res[mode] = timed_steps(model, lambda: model(x).pow(2).mean(), mgr, steps)
         res[mode]["ratio_to_all_gpu"] = res[mode]["step_s"] / res["all_gpu"]["step_s"]
         mgr.detach()
+    res["cpu_fused_adamw_step_s"] = _cpu_adamw_time(build())
     return res
+
+
+def _cpu_adamw_time(model) -> float:
+    """The host optimizer alone: fused AdamW over the toy's parameters, on the CPU."""
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    opt.step()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        opt.step()
+    return (time.perf_counter() - t0) / 3
 
 
 def main() -> None:
