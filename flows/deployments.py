@@ -10,6 +10,7 @@ resumption comes from disk, so a re-run or a ``prefect flow-run retry`` continue
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -61,10 +62,16 @@ def _result_or(flow_run, default: dict) -> dict:
         return default
 
 
-def _wait(flow_run_id):
-    from prefect.flow_runs import wait_for_flow_run
+def _wait(flow_run_id, poll_seconds: float = 2.0):
+    """Block until the child flow run reaches a final state; return it."""
+    from prefect import get_client
 
-    return wait_for_flow_run(flow_run_id, timeout=None, poll_interval=2)
+    with get_client(sync_client=True) as client:
+        while True:
+            flow_run = client.read_flow_run(flow_run_id)
+            if flow_run.state is not None and flow_run.state.is_final():
+                return flow_run
+            time.sleep(poll_seconds)
 
 
 def deploy(cfg: RunConfig, config_path: Path, preprocess_pool: str, train_pool: str) -> dict:
