@@ -56,3 +56,10 @@ def test_second_demo_run_reencodes_nothing_and_says_so(demo_dir, capsys):
     result = json.loads(out[out.index("{"): out.rindex("}") + 1])
     assert result["preprocess"]["encoded"] == 0 and result["preprocess"]["reused"] == 16
     assert result["preprocess"]["complete"] is True
+
+
+def test_cache_inspect_and_verify_on_the_demo_cache(demo_dir, capsys):
+    assert main(["cache", "inspect", str(demo_dir / "cache.zarr")]) == 0
+    assert "16 in 2 parts" in capsys.readouterr().out
+    assert main(["cache", "verify", str(demo_dir / "cache.zarr")]) == 0
+    assert "0 bad, 0 missing: OK" in capsys.readouterr().out
