@@ -130,3 +130,53 @@ def test_fp8_storage_on_cuda():
     with torch.no_grad():
         torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
     mgr.detach()
+
+
+def _nccl_worker(rank, init_file, out_dir, optimizer_offload):
+    import os
+
+    import torch.distributed as dist
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        model = _dp_model()
+        mgr = OffloadTrainingManager(model, torch.device("cuda", rank), enable_optimizer_cpu_offload=optimizer_offload)
+        _dp_train(model, mgr, rank, 2, torch.device("cuda", rank))
+        mgr.detach()
+        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _dp_model():
+    torch.manual_seed(0)
+    model = ToyStack(d=64)
+    for name, p in model.named_parameters():
+        p.requires_grad_("up" in name or "head" in name)
+    return model
+
+
+def _dp_train(model, mgr, rank, world, device):
+    model.offset = model.offset.to(device)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(3):
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step)).chunk(world)[rank].to(device)
+        model(x).pow(2).mean().backward()
+        if mgr is not None:
+            mgr.after_backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("optimizer_offload", [False, True])
+def test_nccl_data_parallel_matches_one_process_on_the_combined_batch(tmp_path, optimizer_offload):
+    import torch.multiprocessing as mp
+    mp.spawn(_nccl_worker, args=(str(tmp_path / "init"), str(tmp_path), optimizer_offload), nprocs=2)
+    states = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ref = _dp_model().to(CUDA)
+    _dp_train(ref, None, 0, 1, CUDA)
+    for key, want in ref.state_dict().items():
+        if key != "calls":
+            assert torch.equal(states[0][key], states[1][key]), key
+            torch.testing.assert_close(states[0][key], want.cpu(), rtol=1e-4, atol=1e-5)
