@@ -121,7 +121,7 @@ def compare(name, build, loss_of, names, steps, bandwidth, extra_modes=()) -> di
         torch.cuda.empty_cache()
         res[mode] = timed_steps(model, loss_fn, mgr, steps)
         rep = mgr.report()
-        res[mode].update(attach_s=attach_s, streamed_weight_gb=rep["streamed_bytes"] / GB,
+        res[mode].update(attach_s=attach_s, streamed_weight_gb=rep["streamed_bytes"] / GB, stalls=rep["stalls"],
                          budget_units=rep["budget_units"], pinned=rep["pinned"])
         mgr.detach()
         torch.cuda.empty_cache()

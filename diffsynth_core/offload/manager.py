@@ -233,6 +233,7 @@ class OffloadTrainingManager:
                 "slots": len(self.streamer.slots) if self.streamer else 0,
                 "h2d_copies": self.streamer.copies if self.streamer else 0,
                 "h2d_bytes": self.streamer.bytes if self.streamer else 0,
+                "stalls": self.streamer.stalls if self.streamer else 0,
                 "d2h_grad_bytes": self.grad_sink.d2h_bytes if self.grad_sink else 0, **self.stats}
 
     def _check_attached(self) -> None:

@@ -31,7 +31,6 @@ class Slot:
     stage: torch.Tensor | None  # uint8, store layout (only when some unit casts on the device)
     occupant: Unit | None = None
     free_event: object | None = None  # torch.cuda.Event recorded when the occupant was evicted
-    last_use: int = 0
     views: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
 
@@ -51,8 +50,8 @@ class Streamer:
                            torch.empty(stage, dtype=torch.uint8, device=device) if stage else None)
                       for i in range(n_slots if units else 0)]
         self.home = {u.index: i % max(len(self.slots), 1) for i, u in enumerate(units)}
-        self.clock = 0
         self.copies = 0
+        self.stalls = 0  # uses that found their copy still in flight (telemetry, CUDA only)
         self.bytes = 0
 
     # --- binding -----------------------------------------------------------------------------
@@ -109,9 +108,9 @@ class Streamer:
         if self.cuda:
             ev = self.ready.pop(unit.index, None)
             if ev is not None:
+                if not ev.query():  # the copy is still running: compute will wait for it (a stall)
+                    self.stalls += 1
                 torch.cuda.current_stream(self.device).wait_event(ev)
-        self.clock += 1
-        self.slot_of[unit.index].last_use = self.clock
 
     def evict(self, slot: Slot) -> None:
         """Point the occupant back at its host master; the slot may be overwritten once the compute

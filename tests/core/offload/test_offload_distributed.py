@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -38,31 +37,35 @@ def _train(model, mgr, rank, world):
         opt.zero_grad(set_to_none=True)
 
 
-def _worker(rank, init_file, out_dir, optimizer_offload):
+MODES = (False, True)  # enable_optimizer_cpu_offload; one spawn runs both (process start-up is the cost)
+
+
+def _worker(rank, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
-        model = _model(seed=0)
-        if rank:  # off on purpose: attach broadcasts rank 0's trainable weights
-            with torch.no_grad():
-                for p in model.parameters():
-                    if p.requires_grad:
-                        p.add_(1.0)
-        mgr = OffloadTrainingManager(model, "cpu", enable_optimizer_cpu_offload=optimizer_offload)
-        _train(model, mgr, rank, WORLD)
-        mgr.detach()
-        torch.save(model.state_dict(), os.path.join(out_dir, f"rank{rank}.pt"))
+        for optimizer_offload in MODES:
+            model = _model(seed=0)
+            if rank:  # off on purpose: attach broadcasts rank 0's trainable weights
+                with torch.no_grad():
+                    for p in model.parameters():
+                        if p.requires_grad:
+                            p.add_(1.0)
+            mgr = OffloadTrainingManager(model, "cpu", enable_optimizer_cpu_offload=optimizer_offload)
+            _train(model, mgr, rank, WORLD)
+            mgr.detach()
+            torch.save(model.state_dict(), os.path.join(out_dir, f"rank{rank}-{optimizer_offload}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("optimizer_offload", [False, True])
-def test_ranks_end_identical_and_equal_to_one_process_on_the_combined_batch(tmp_path, optimizer_offload):
-    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path), optimizer_offload), nprocs=WORLD)
-    states = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+def test_ranks_end_identical_and_equal_to_one_process_on_the_combined_batch(tmp_path):
+    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD)
     ref = _model(seed=0)
     _train(ref, None, 0, 1)
-    for key, want in ref.state_dict().items():
-        if key == "calls":
-            continue
-        assert torch.equal(states[0][key], states[1][key]), key
-        torch.testing.assert_close(states[0][key], want, rtol=1e-5, atol=1e-6)
+    for optimizer_offload in MODES:
+        states = [torch.load(tmp_path / f"rank{r}-{optimizer_offload}.pt") for r in range(WORLD)]
+        for key, want in ref.state_dict().items():
+            if key == "calls":
+                continue
+            assert torch.equal(states[0][key], states[1][key]), (optimizer_offload, key)
+            torch.testing.assert_close(states[0][key], want, rtol=1e-5, atol=1e-6)

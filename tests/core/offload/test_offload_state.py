@@ -109,6 +109,15 @@ def test_bad_container_name_is_a_clear_error():
         OffloadTrainingManager(ToyStack(), "cpu", block_container_names=("transformer_blocks",))
     with pytest.raises(ValueError, match="granularity"):
         OffloadTrainingManager(ToyStack(), "cpu", granularity="layer")
+    with pytest.raises(ValueError, match="prefetch"):
+        OffloadTrainingManager(ToyStack(), "cpu", prefetch=-1)
+
+
+def test_reference_split_threshold_means_leaf_units():
+    model = ToyStack(n=2).requires_grad_(False)
+    mgr = OffloadTrainingManager(model, "cpu", cpu_offload_split_threshold=64)
+    assert {u.name for u in mgr.plan.units} >= {"blocks.0.up", "blocks.1.down", "embed", "head"}
+    mgr.detach()
 
 
 def test_storage_dtype_streams_fewer_bytes_and_widens_on_the_device():
