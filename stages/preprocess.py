@@ -60,9 +60,10 @@ def make_plan(cfg: RunConfig) -> Plan:
     spec = get_family(cfg.model.family)
     dataset = open_dataset(cfg, spec)
     identity = encoder_identity(cfg, spec)
-    settings = {**dataset.settings(), "max_sequence_length": cfg.preprocess.max_sequence_length,
-                "dtype": cfg.model.dtype, "encoders": identity}
-    keys = [entry_key(record, dataset.source_files(i), settings) for i, record in enumerate(dataset.records)]
+    encoding = {"max_sequence_length": cfg.preprocess.max_sequence_length, "dtype": cfg.model.dtype,
+                "encoders": identity}
+    keys = [entry_key(record, dataset.source_files(i), {**dataset.key_settings(i), **encoding})
+            for i, record in enumerate(dataset.records)]
     return Plan(spec, dataset, keys, fingerprint_of(identity))
 
 

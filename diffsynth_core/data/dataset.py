@@ -19,7 +19,8 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from .errors import DatasetError
-from .media import MediaError, check_media_path, is_video, read_frames, read_image, usable_frame_count
+from .media import (MediaError, check_media_path, is_video, read_frames, read_image, read_image_size,
+                    usable_frame_count)
 from .metadata import find_columns, load_metadata
 from .resize import TooSmallError, crop_and_resize, crop_and_resize_size
 from .settings import settings_errors
@@ -100,6 +101,29 @@ class SampleDataset(Dataset):
                 "num_frames": self.num_frames, "frame_multiple": self.frame_multiple,
                 "division": self.division, "data_file_keys": list(self.data_file_keys),
                 "resample": "bilinear", "pixels_version": PIXELS_VERSION}
+
+    def key_settings(self, index: int) -> dict[str, Any]:
+        """`settings()` narrowed to what row `index` decodes to, for its cache key.
+
+        For a still image the size rule is replaced by the target (height, width) read from
+        the file's header, so changing `max_pixels` only re-keys the images whose size it
+        actually changes.  Videos, GIFs and unreadable headers keep the rule itself."""
+        settings = self.settings()
+        try:
+            _, path = self._resolve(index)
+        except DatasetError:
+            return settings  # the row is bad: load() reports it
+        size = None if is_video(path) else read_image_size(path)
+        if size is None:
+            return settings
+        try:
+            target = crop_and_resize_size(*size, height=self.height, width=self.width,
+                                          max_pixels=self.max_pixels, division=self.division)
+        except TooSmallError:
+            return settings
+        for rule in ("height", "width", "max_pixels"):
+            settings.pop(rule)
+        return {**settings, "target_size": list(target)}
 
     def source_files(self, index: int) -> list[Path]:
         """Resolved media files of row `index`, checked to exist but not decoded.

@@ -48,6 +48,24 @@ def read_image(path: Path) -> Image.Image:
         raise MediaError(f"cannot decode image: {_short(e)}") from e
 
 
+# EXIF orientations that rotate by 90 or 270 degrees (width and height swap when applied).
+_TRANSPOSING_ORIENTATIONS = frozenset({5, 6, 7, 8})
+
+
+def read_image_size(path: Path) -> tuple[int, int] | None:
+    """(height, width) of a still image as `read_image` would return it, from its header only.
+
+    None when the header cannot be read; decoding then reports the error."""
+    try:
+        with Image.open(path) as image:
+            width, height = image.size
+            if image.getexif().get(0x0112) in _TRANSPOSING_ORIENTATIONS:
+                width, height = height, width
+            return height, width
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+        return None
+
+
 def _to_rgb(image: Image.Image) -> Image.Image:
     """RGB of any mode. 16-bit greyscale is scaled to 8 bits first: Pillow's own
     convert("RGB") clips it at 255, which turns most of such an image white."""

@@ -130,3 +130,13 @@ def test_a_sigkilled_preprocess_resumes_to_the_same_cache_bit_for_bit(make_confi
         for name, tensor in expected[key].items():
             if isinstance(tensor, torch.Tensor):
                 assert torch.equal(got[key][name], tensor), (key, name)
+
+
+def test_changing_max_pixels_reencodes_only_the_images_it_resizes(make_config):
+    # The demo has 96x96 (9216 px) and 128x96 (12288 px) images; 10000 px shrinks only the larger.
+    preprocess.run(make_config())
+    changed = preprocess.run(make_config("dataset.max_pixels=10000"))
+    assert (changed.encoded, changed.reused) == (8, 8)
+    store = open_cache(make_config().cache_url, mode="r")
+    shrunk = [store.get(k)["meta"] for k in store.require_complete()]
+    assert {(m["height"], m["width"]) for m in shrunk} == {(96, 96), (80, 112)}
