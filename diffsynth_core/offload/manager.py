@@ -64,6 +64,10 @@ class OffloadTrainingManager:
     on when torch.distributed has several ranks) broadcasts rank 0's trainable weights at attach and
     averages gradients in ``after_backward``.  ``poison_evicted`` (debug) fills a slot with garbage
     after each eviction, so a stale reference to evicted weights shows up as NaN.
+
+    Telemetry: ``report()`` (units, bytes, H2D copies and bytes, per-phase loads, ``stalls`` = uses
+    whose copy had not landed yet) and ``loaded_units()``.  After inference, ``after_backward()``
+    also frees the device slots' contents.  Do not ``.to()`` the model while attached.
     """
 
     def __init__(self, model: nn.Module, target_device, enable_optimizer_cpu_offload: bool = False,
@@ -94,8 +98,6 @@ class OffloadTrainingManager:
         self.plan.fill_arena(self.arena)
         n_slots = min(prefetch + 1, len(self.plan.streamed))
         self.streamer = Streamer(self.plan.streamed, self.arena, self.device, n_slots, poison_evicted)
-        for unit in self.plan.streamed:
-            self.streamer.bind_host(unit)
         self.plan.load_budget_units(self.arena)
         self.sched = SuccessorSchedule()
         self._streamed_ids = {u.index for u in self.plan.streamed}
