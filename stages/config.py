@@ -66,7 +66,8 @@ class PreprocessSection(_Section):
     device: str = "auto"
     max_sequence_length: int | None = None
     commit_every: int = Field(16, ge=1)
-    offload_encoders: bool = True  # stream encoder weights when running on a GPU
+    # Stream encoder weights from host memory: "auto" on a GPU only; true/false force it.
+    offload_encoders: Literal["auto", True, False] = "auto"
 
 
 class TrainSection(_Section):

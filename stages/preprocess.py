@@ -97,12 +97,14 @@ def _encode_row(plan: Plan, components, row: int, device: torch.device, prompt_o
 
 def _load_encoders(cfg: RunConfig, spec: FamilySpec, device: torch.device):
     components = spec.load_components(cfg.model.path, spec.encoder_components, model_dtype(cfg), "cpu")
+    offload = cfg.preprocess.offload_encoders
+    stream = device.type == "cuda" if offload == "auto" else offload
     managers = []
     for name, component in components.items():
         if not isinstance(component, torch.nn.Module):
             continue
-        component.eval().requires_grad_(False)
-        if device.type == "cuda" and cfg.preprocess.offload_encoders:
+        component.eval().requires_grad_(False)  # frozen: the engine streams only frozen weights
+        if stream:
             from diffsynth_core.offload import OffloadTrainingManager
 
             managers.append(OffloadTrainingManager(component, device))

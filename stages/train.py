@@ -91,8 +91,10 @@ def run(cfg: RunConfig) -> TrainSummary:
     cfg.save(output / "config.toml")
     transformer = load_transformer(cfg, spec)
     samples = CachedSamples(store, keys)
-    meta = samples[0]["meta"]
-    callbacks = [ValidationRenderer(cfg, spec, (meta["height"], meta["width"]))] if cfg.train.validation_prompts else []
+    callbacks = []
+    if cfg.train.validation_prompts and keys:  # render at the size of the first training sample
+        meta = samples[0]["meta"]
+        callbacks.append(ValidationRenderer(cfg, spec, (meta["height"], meta["width"])))
     trainer = Trainer(spec, transformer, samples, cfg.train, cfg.offload, output,
                       device=resolve_device(cfg.train.device), repeat=cfg.dataset.repeat, callbacks=callbacks)
     result = trainer.fit()

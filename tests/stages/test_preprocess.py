@@ -140,3 +140,17 @@ def test_changing_max_pixels_reencodes_only_the_images_it_resizes(make_config):
     store = open_cache(make_config().cache_url, mode="r")
     shrunk = [store.get(k)["meta"] for k in store.require_complete()]
     assert {(m["height"], m["width"]) for m in shrunk} == {(96, 96), (80, 112)}
+
+
+def test_encoders_streamed_by_the_offload_engine_give_the_same_cache(make_config, tmp_path):
+    plain = make_config("dataset.max_pixels=4096")
+    preprocess.run(plain)
+    streamed = make_config("dataset.max_pixels=4096", "preprocess.offload_encoders=true",
+                           f"cache.url={tmp_path / 'streamed.zarr'}")
+    preprocess.run(streamed)
+    got, expected = _entries(streamed.cache_url), _entries(plain.cache_url)
+    assert got.keys() == expected.keys()
+    for key in expected:
+        for name, tensor in expected[key].items():
+            if isinstance(tensor, torch.Tensor):
+                assert torch.equal(got[key][name], tensor), (key, name)
