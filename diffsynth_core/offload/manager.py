@@ -100,6 +100,8 @@ class OffloadTrainingManager:
         self.streamer = Streamer(self.plan.streamed, self.arena, self.device, n_slots, poison_evicted)
         self.plan.load_budget_units(self.arena)
         self.sched = SuccessorSchedule()
+        if self.plan.blocks:  # blocks run in list order: prefetch from the very first step
+            self.sched.seed([u.index for u in self.plan.units])
         self._streamed_ids = {u.index for u in self.plan.streamed}
         self._order: list[int] = []  # streamed units in the order their forward first ran this step
         self._order_seen: set[int] = set()

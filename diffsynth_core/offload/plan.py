@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .arena import HostArena, typed_view
-from .units import TensorRecord, Unit, align_up, candidate_modules, owners_of
+from .units import TensorRecord, Unit, align_up, candidate_modules, find_block_containers, owners_of
 
 GIB = 2**30
 
@@ -23,6 +23,7 @@ class Plan:
     buffers: list[tuple[nn.Module, str, torch.device]] = field(default_factory=list)
     host_trainable: list[nn.Parameter] = field(default_factory=list)  # optimizer offload
     arena_bytes: int = 0
+    blocks: bool = False  # units are children of block containers (their order is the execution order)
     trainable_dtype: torch.dtype | None = None
     budget_bufs: list[torch.Tensor] = field(default_factory=list)
 
@@ -83,7 +84,8 @@ def build_plan(model: nn.Module, device: torch.device, granularity: str, block_c
         if unit.tensors:
             unit.layout()
             units.append(unit)
-    plan = Plan(device, units, [], [], trainable_dtype=trainable_dtype)
+    plan = Plan(device, units, [], [], trainable_dtype=trainable_dtype,
+                blocks=granularity == "block" and bool(find_block_containers(model, block_container_names)))
     _split_budget(plan, vram_budget_gb)
     _place_in_arena(plan)
     seen: set[int] = set()

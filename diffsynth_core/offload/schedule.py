@@ -17,13 +17,24 @@ class SuccessorSchedule:
         self.next: dict[Key, Key] = {}
         self.prev: Key | None = None
 
+    def seed(self, order: list[int]) -> None:
+        """A first guess before anything ran: forward in ``order``, backward in reverse."""
+        fwd = [(i, "F") for i in order]
+        bwd = [(i, "B") for i in reversed(order)]
+        chain = fwd + bwd
+        for a, b in zip(chain, chain[1:]):
+            self.next.setdefault(a, b)
+
     def observe(self, key: Key) -> None:
         if self.prev is not None and self.prev != key:
             self.next[self.prev] = key
         self.prev = key
 
     def end_step(self) -> None:
-        """No link from the last use of a step to the first of the next (nothing crosses a step)."""
+        """No link from the last use of a step to the first of the next (nothing crosses a step);
+        a seeded guess after the last use is dropped too."""
+        if self.prev is not None:
+            self.next.pop(self.prev, None)
         self.prev = None
 
     def window(self, key: Key, depth: int, streamed: set[int]) -> list[Key]:
