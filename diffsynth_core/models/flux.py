@@ -23,7 +23,7 @@ from . import lora_export, single_file, tiny_tokenizers
 from .base import Components, FamilySpec
 from .inputs import check_pixels
 from .loading import load_components as _load_components
-from .loading import module_dtype, unwrap
+from .loading import MODEL_INIT_LOCK, module_dtype, unwrap
 from .random_models import build_random_transformer, random_tensor
 
 PIPELINE_CLASS = "FluxPipeline"
@@ -78,7 +78,7 @@ def save_tiny_model(out_dir: Path, seed: int = 0, *, guidance_embeds: bool = Tru
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
 
     clip_tok, t5_tok = tiny_tokenizers.clip_tokenizer(), tiny_tokenizers.t5_tokenizer()
-    with torch.random.fork_rng():
+    with MODEL_INIT_LOCK, torch.random.fork_rng():
         torch.manual_seed(seed)
         clip, t5 = _tiny_text_encoders(clip_tok, t5_tok)
         vae = AutoencoderKL(

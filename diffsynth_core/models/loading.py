@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,13 @@ from .base import Components
 
 # Libraries a model_index.json may name; anything else is refused rather than imported.
 _ALLOWED_LIBRARIES = ("diffusers", "transformers")
+
+# Model construction is not thread-safe: accelerate's init_empty_weights and diffusers'
+# no_init_weights monkeypatch nn.Module.register_parameter / torch.nn.init process-wide and
+# restore what they saved on exit.  Two loads interleaving in threads (preprocess parts run
+# concurrently) can restore each other's patch and leave every later model on the meta device.
+# Every model build in this package holds this lock.
+MODEL_INIT_LOCK = threading.RLock()
 
 
 def read_model_index(path: Path) -> dict[str, tuple[str, str]]:
@@ -60,12 +68,22 @@ def load_component(path: Path, name: str, dtype: torch.dtype, device: str | torc
     folder = path / name
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder} is missing (named in {path}/model_index.json)")
-    if not _is_weighted(cls):
-        return cls.from_pretrained(folder)
-    model = cls.from_pretrained(folder, dtype=dtype, low_cpu_mem_usage=True)  # returns it in eval mode
+    with MODEL_INIT_LOCK:
+        if not _is_weighted(cls):
+            return cls.from_pretrained(folder)
+        model = cls.from_pretrained(folder, dtype=dtype, low_cpu_mem_usage=True)  # returns it in eval mode
+    check_materialised(model, folder)
     if torch.device(device).type != "cpu":
         model = model.to(device)  # no dtype: keeps the fp32 modules fp32
     return model
+
+
+def check_materialised(model: torch.nn.Module, source: Path) -> None:
+    """Raise if any weight is still on the meta device (a missing weight, or a leaked init patch)."""
+    meta = [name for name, p in model.named_parameters() if p.device.type == "meta"]
+    if meta:
+        raise RuntimeError(f"{source}: {len(meta)} weight(s) were not loaded and are still on the meta device "
+                           f"(e.g. {meta[:3]})")
 
 
 def load_components(path: Path, names: tuple[str, ...], dtype: torch.dtype, device: str | torch.device,

@@ -21,7 +21,7 @@ from . import lora_export, single_file, tiny_tokenizers
 from .base import Components, FamilySpec
 from .inputs import check_pixels
 from .loading import load_components as _load_components
-from .loading import module_dtype
+from .loading import MODEL_INIT_LOCK, module_dtype
 from .random_models import build_random_transformer, random_tensor
 
 PIPELINE_CLASS = "QwenImagePipeline"
@@ -77,7 +77,7 @@ def save_tiny_model(out_dir: Path, seed: int = 0) -> Path:
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
 
     tokenizer = tiny_tokenizers.qwen2_tokenizer()
-    with torch.random.fork_rng():
+    with MODEL_INIT_LOCK, torch.random.fork_rng():
         torch.manual_seed(seed)
         text_encoder = _tiny_text_encoder(len(tokenizer), tokenizer.eos_token_id)
         vae = AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1,

@@ -29,12 +29,13 @@ def build_random_transformer(class_name: str, configs: Mapping[str, Mapping[str,
     from accelerate import init_empty_weights
     from accelerate.utils import set_module_tensor_to_device
 
+    from .loading import MODEL_INIT_LOCK
     from .single_file import _target_dtype
 
     if variant not in configs:
         raise KeyError(f"unknown transformer variant {variant!r}; known: {', '.join(configs)}")
     device = torch.device(device)
-    with init_empty_weights():  # parameters on meta; buffers (RoPE tables) real, on the CPU
+    with MODEL_INIT_LOCK, init_empty_weights():  # parameters on meta; buffers (RoPE tables) real, on the CPU
         model = getattr(diffusers, class_name)(**configs[variant])
     keep_fp32 = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
     generator = torch.Generator(device).manual_seed(seed) if device.type != "meta" else None

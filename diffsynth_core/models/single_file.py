@@ -15,6 +15,8 @@ from typing import Callable
 
 import torch
 
+from .loading import MODEL_INIT_LOCK, check_materialised
+
 # Prefixes ComfyUI and original checkpoints put in front of the DiT's own key names.
 CHECKPOINT_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 
@@ -61,7 +63,7 @@ def load_transformer_file(model_cls: type, file: Path, config_dir: Path, dtype: 
     if not file.is_file():
         raise FileNotFoundError(f"transformer file {file} not found")
     config = model_cls.load_config(transformer_config_dir(config_dir))
-    with init_empty_weights():  # parameters on meta; buffers (RoPE tables) computed for real
+    with MODEL_INIT_LOCK, init_empty_weights():  # parameters on meta; buffers (RoPE tables) computed for real
         model = model_cls.from_config(config)
     expected = set(model.state_dict())
     state_dict = strip_prefixes(load_file(str(file)))
@@ -75,6 +77,7 @@ def load_transformer_file(model_cls: type, file: Path, config_dir: Path, dtype: 
     keep_fp32 = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
     state_dict = {k: v.to(_target_dtype(k, dtype, keep_fp32)) for k, v in state_dict.items()}
     model.load_state_dict(state_dict, strict=True, assign=True)
+    check_materialised(model, file)
     return model.eval()
 
 

@@ -22,7 +22,7 @@ from . import lora_export, single_file, tiny_tokenizers
 from .base import Components, FamilySpec
 from .inputs import check_pixels
 from .loading import load_components as _load_components
-from .loading import module_dtype
+from .loading import MODEL_INIT_LOCK, module_dtype
 from .random_models import build_random_transformer, random_tensor
 
 PIPELINE_CLASS = "WanPipeline"
@@ -102,7 +102,7 @@ def save_tiny_model(out_dir: Path, seed: int = 0) -> Path:
     from transformers import UMT5Config, UMT5EncoderModel
 
     tokenizer = tiny_tokenizers.t5_tokenizer()
-    with torch.random.fork_rng():
+    with MODEL_INIT_LOCK, torch.random.fork_rng():
         torch.manual_seed(seed)
         text_encoder = UMT5EncoderModel(UMT5Config(
             vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,

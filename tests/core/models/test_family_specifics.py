@@ -243,3 +243,22 @@ def test_export_header_names_exact_modules_and_a_reload_safe_init(tmp_path):
 def test_export_rejects_configs_that_do_not_describe_the_weights(config, message, tmp_path):
     with pytest.raises(ValueError, match=message):
         get_family("qwen_image").export_lora(_tiny_lora_state_dict(), config, tmp_path)
+
+
+def test_concurrent_loads_leave_no_meta_patch_behind(tmp_path):
+    """Preprocess parts load encoders in threads; accelerate/diffusers init patches are process-wide."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    spec = get_family("qwen_image")
+    folder = spec.save_tiny_model(tmp_path / "qwen", 0)
+    register_parameter = torch.nn.Module.register_parameter
+    init_normal = torch.nn.init.normal_
+
+    def load(_):
+        comps = spec.load_components(folder, ("vae", "transformer", "text_encoder"), torch.float32, "cpu")
+        return all(p.device.type == "cpu" for m in comps.values() for p in m.parameters())
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(load, range(12)))
+    assert torch.nn.Module.register_parameter is register_parameter and torch.nn.init.normal_ is init_normal
+    assert torch.nn.Linear(2, 2).weight.device.type == "cpu"
