@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from diffsynth_core.models import get_family, known_families  # noqa: E402
+from diffsynth_core.training.device import avoid_broken_kernels  # noqa: E402
 from diffsynth_core.training.loop import Trainer  # noqa: E402
 from stages.config import OffloadSection, TrainSection  # noqa: E402
 
@@ -38,7 +39,7 @@ def _samples(spec, model, args, count: int = 4) -> list[dict]:
 def bench_family(name: str, args) -> dict:
     spec = get_family(name)
     dtype = getattr(torch, args.dtype)
-    device = torch.device(args.device)
+    device = avoid_broken_kernels(args.device)
     build_device = "cpu" if args.offload else args.device
     model = spec.build_transformer(args.variant, dtype, build_device)
     samples = _samples(spec, model, args)

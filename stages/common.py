@@ -23,18 +23,6 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def prepare_device(device: torch.device) -> torch.device:
-    """Process-wide settings a stage needs before it computes on ``device``.
-
-    torch 2.11's cuDNN attention backend gave NaN gradients (tiny FLUX) and an illegal memory
-    access (full-size FLUX) on the H200, with or without offload; every other SDPA backend
-    agrees, so stages run with it off.
-    """
-    if device.type == "cuda":
-        torch.backends.cuda.enable_cudnn_sdp(False)
-    return device
-
-
 def model_dtype(cfg: RunConfig) -> torch.dtype:
     return getattr(torch, cfg.model.dtype)
 

@@ -17,8 +17,9 @@ import torch
 from cache_store import entry_key, fingerprint_of, open_cache
 from diffsynth_core.data import SampleDataset
 from diffsynth_core.models import FamilySpec, get_family
+from diffsynth_core.training.device import avoid_broken_kernels
 
-from .common import encoder_identity, model_dtype, open_dataset, prepare_device, resolve_device
+from .common import encoder_identity, model_dtype, open_dataset, resolve_device
 from .config import RunConfig
 
 log = logging.getLogger(__name__)
@@ -136,7 +137,7 @@ def run(cfg: RunConfig, part: int | None = None) -> CacheSummary:
 def _encode_rows(cfg: RunConfig, plan: Plan, store, rows: list[int]) -> tuple[int, list[dict]]:
     from tqdm.auto import tqdm
 
-    device = prepare_device(resolve_device(cfg.preprocess.device))
+    device = avoid_broken_kernels(resolve_device(cfg.preprocess.device))
     components, managers = _load_encoders(cfg, plan.spec, device)
     max_length = cfg.preprocess.max_sequence_length
     prompt_options = {"max_sequence_length": max_length} if max_length else {}

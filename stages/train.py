@@ -17,10 +17,11 @@ from safetensors.torch import save_file
 
 from cache_store import open_cache
 from diffsynth_core.models import FamilySpec, get_family
+from diffsynth_core.training.device import avoid_broken_kernels
 from diffsynth_core.training.lora import lora_state_dict
 from diffsynth_core.training.loop import Trainer
 
-from .common import model_dtype, prepare_device, resolve_device
+from .common import model_dtype, resolve_device
 from .config import RunConfig
 from .validation import ValidationRenderer
 
@@ -96,7 +97,7 @@ def run(cfg: RunConfig) -> TrainSummary:
         meta = samples[0]["meta"]
         callbacks.append(ValidationRenderer(cfg, spec, (meta["height"], meta["width"])))
     trainer = Trainer(spec, transformer, samples, cfg.train, cfg.offload, output,
-                      device=prepare_device(resolve_device(cfg.train.device)), repeat=cfg.dataset.repeat,
+                      device=avoid_broken_kernels(resolve_device(cfg.train.device)), repeat=cfg.dataset.repeat,
                       callbacks=callbacks)
     result = trainer.fit()
     exports = _export(spec, result, output) if trainer.rank == 0 else {}
