@@ -95,7 +95,7 @@ def run(cfg: RunConfig) -> TrainSummary:
     callbacks = []
     if cfg.train.validation_prompts and keys:  # render at the size of the first training sample
         meta = samples[0]["meta"]
-        callbacks.append(ValidationRenderer(cfg, spec, (meta["height"], meta["width"])))
+        callbacks.append(ValidationRenderer(cfg, spec, (meta["height"], meta["width"]), meta.get("num_frames", 1)))
     trainer = Trainer(spec, transformer, samples, cfg.train, cfg.offload, output,
                       device=avoid_broken_kernels(resolve_device(cfg.train.device)), repeat=cfg.dataset.repeat,
                       callbacks=callbacks)

@@ -34,8 +34,10 @@ def _first_image(output) -> Image.Image:
 
 
 class ValidationRenderer:
-    def __init__(self, cfg: RunConfig, spec: FamilySpec, size: tuple[int, int]):
+    def __init__(self, cfg: RunConfig, spec: FamilySpec, size: tuple[int, int], num_frames: int = 1):
         self.cfg, self.spec, self.size = cfg, spec, size
+        # Video pipelines default to long clips (Wan: 81 frames); render as many as we train on.
+        self.extra_kwargs = {"num_frames": num_frames} if spec.frame_multiple > 1 else {}
         self.folder = cfg.output_dir / "validation"
         self._pipe = None
 
@@ -62,7 +64,7 @@ class ValidationRenderer:
             for index, prompt in enumerate(train.validation_prompts):
                 generator = torch.Generator().manual_seed(train.seed + index)
                 output = pipe(prompt=prompt, height=height, width=width, generator=generator,
-                              num_inference_steps=train.validation_inference_steps)
+                              num_inference_steps=train.validation_inference_steps, **self.extra_kwargs)
                 path = self.folder / f"step-{step:08d}-{index}.png"
                 _first_image(output).save(path)
                 saved.append(path)

@@ -38,14 +38,20 @@ class Prepared:
     offload: Any | None                  # OffloadTrainingManager when streaming weights
 
 
-def build_optimizer(class_path: str, params, learning_rate: float, weight_decay: float) -> torch.optim.Optimizer:
-    """Instantiate ``module.Class`` (default torch.optim.AdamW) over ``params``."""
+def build_optimizer(class_path: str, params, learning_rate: float, weight_decay: float,
+                    on_host: bool = False) -> torch.optim.Optimizer:
+    """Instantiate ``module.Class`` (default torch.optim.AdamW) over ``params``.
+
+    ``on_host``: the parameters step on the CPU (optimizer offload), where torch's fused
+    Adam/AdamW kernel is several times faster than the default for-each one.
+    """
     module_name, _, class_name = class_path.rpartition(".")
     try:
         optimizer_class = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError, ValueError) as err:
         raise ValueError(f"train.optimizer: cannot import {class_path!r} ({err})") from None
-    return optimizer_class(params, lr=learning_rate, weight_decay=weight_decay)
+    extra = {"fused": True} if on_host and optimizer_class in (torch.optim.Adam, torch.optim.AdamW) else {}
+    return optimizer_class(params, lr=learning_rate, weight_decay=weight_decay, **extra)
 
 
 def constant_with_warmup(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
@@ -113,6 +119,8 @@ def prepare_for_training(model: nn.Module, spec: FamilySpec, train, offload, dev
     manager = _place(model, spec, offload, device)
     model.train()
     trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    optimizer = build_optimizer(train.optimizer, list(trainable.values()), train.learning_rate, train.weight_decay)
+    on_host = manager is not None and offload.enable_optimizer_cpu_offload
+    optimizer = build_optimizer(train.optimizer, list(trainable.values()), train.learning_rate,
+                                train.weight_decay, on_host=on_host)
     scheduler = constant_with_warmup(optimizer, train.warmup_steps)
     return Prepared(model, trainable, lora_config, optimizer, scheduler, manager)
