@@ -76,6 +76,12 @@ def cmd_preprocess(args, extra) -> int:
 
 def cmd_train(args, extra) -> int:
     cfg = _config(args, extra)
+    # No orchestration: what each rank of `torchrun ... -m flows.cli train CONFIG --in-process` runs.
+    if args.in_process:
+        from stages import train
+
+        print(train.run(cfg).describe())
+        return 0
     _prefect_environment(cfg.output_dir)
     from flows.split_training import train_flow
 
@@ -154,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="override a config value, e.g. --set train.max_steps=100 (repeatable)")
         if name == "preprocess":
             sub.add_argument("--part", type=int, help="encode only this part (0-based) of preprocess.parts")
+        if name == "train":
+            sub.add_argument("--in-process", action="store_true",
+                             help="run the stage in this process without Prefect (e.g. one rank under torchrun)")
         if name == "deploy":
             sub.add_argument("--preprocess-pool", default="preprocess-pool", help="work pool for stage 1")
             sub.add_argument("--train-pool", default="train-pool", help="work pool for stage 2")

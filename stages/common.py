@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from diffsynth_core.data import SampleDataset
 from diffsynth_core.models import FamilySpec
@@ -21,6 +23,26 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} asked for, but this machine has no CUDA device")
     return device
+
+
+def init_distributed(device: torch.device) -> torch.device:
+    """Join the process group a launcher (torchrun) describes in the environment, if any.
+
+    Returns the device this rank computes on: ``cuda:LOCAL_RANK`` for CUDA runs (NCCL),
+    the given device otherwise (gloo).  A single process is left untouched.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1 or dist.is_initialized():
+        return device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def is_main_process() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def model_dtype(cfg: RunConfig) -> torch.dtype:

@@ -21,7 +21,7 @@ from diffsynth_core.training.device import avoid_broken_kernels
 from diffsynth_core.training.lora import lora_state_dict
 from diffsynth_core.training.loop import Trainer
 
-from .common import model_dtype, resolve_device
+from .common import init_distributed, is_main_process, model_dtype, resolve_device
 from .config import RunConfig
 from .validation import ValidationRenderer
 
@@ -87,9 +87,11 @@ def run(cfg: RunConfig) -> TrainSummary:
     spec = get_family(cfg.model.family)
     store = open_cache(cfg.cache_url, mode="r", storage_options=cfg.cache.storage_options or None)
     keys = store.require_complete(allow_partial=cfg.cache.allow_partial)
+    device = init_distributed(avoid_broken_kernels(resolve_device(cfg.train.device)))
     output = cfg.output_dir
-    output.mkdir(parents=True, exist_ok=True)
-    cfg.save(output / "config.toml")
+    if is_main_process():
+        output.mkdir(parents=True, exist_ok=True)
+        cfg.save(output / "config.toml")
     transformer = load_transformer(cfg, spec)
     samples = CachedSamples(store, keys)
     callbacks = []
@@ -97,8 +99,7 @@ def run(cfg: RunConfig) -> TrainSummary:
         meta = samples[0]["meta"]
         callbacks.append(ValidationRenderer(cfg, spec, (meta["height"], meta["width"]), meta.get("num_frames", 1)))
     trainer = Trainer(spec, transformer, samples, cfg.train, cfg.offload, output,
-                      device=avoid_broken_kernels(resolve_device(cfg.train.device)), repeat=cfg.dataset.repeat,
-                      callbacks=callbacks)
+                      device=device, repeat=cfg.dataset.repeat, callbacks=callbacks)
     result = trainer.fit()
     exports = _export(spec, result, output) if trainer.rank == 0 else {}
     summary = TrainSummary(str(output), result.step, result.resumed_from,

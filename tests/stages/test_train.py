@@ -119,3 +119,21 @@ def test_full_finetuning_with_optimizer_offload_equals_plain_full_finetuning(mak
     assert any(not expected[k].equal(original[k]) for k in original)  # full fine-tuning changed weights
     for k in expected:  # close, not bitwise: see _MMAP_NOTE (Adam's normalised steps amplify last-ulp gaps)
         torch.testing.assert_close(got[k], expected[k], rtol=1e-4, atol=1e-6)
+
+
+def test_torchrun_with_two_gloo_ranks_trains_like_one_process_accumulating_two_samples(make_config, tmp_path):
+    steps = ["train.max_steps=3", "train.save_steps=0", "train.max_grad_norm=0.5"]
+    single = make_config(*steps, "train.gradient_accumulation_steps=2", f"output.path={tmp_path / 'single'}")
+    preprocess.run(single)
+    train.run(single)
+    ranks = make_config(*steps, f"output.path={tmp_path / 'ranks'}")
+    config_path = ranks.save(tmp_path / "ranks.toml")
+    launched = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                               "--standalone", "-m", "flows.cli", "train", str(config_path), "--in-process"],
+                              cwd=os.getcwd(), capture_output=True, text=True, timeout=120)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    got = load_file(str(ranks.output_dir / "lora.safetensors"))
+    expected = load_file(str(single.output_dir / "lora.safetensors"))
+    for k in expected:  # all-reduce sums in another order than accumulation: equal up to rounding
+        torch.testing.assert_close(got[k], expected[k], rtol=1e-4, atol=1e-6)
+    assert [int(r["step"]) for r in read_metrics(ranks.output_dir / "metrics.csv")] == [1, 2, 3]

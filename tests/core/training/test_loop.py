@@ -70,3 +70,31 @@ def test_checkpoints_keep_the_last_k_and_latest_points_to_the_newest(tmp_path):
 def test_unmatched_lora_target_is_an_error_naming_it(tmp_path):
     with pytest.raises(ValueError, match="nonexistent"):
         _train(tmp_path, ToyDiT(), lora_target_modules=["nonexistent"])
+
+
+def test_tensorboard_events_are_written_when_asked(tmp_path):
+    torch.manual_seed(0)
+    _train(tmp_path, ToyDiT(), max_steps=2, tensorboard=True)
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_preset_lora_is_fused_into_the_base_weights(tmp_path):
+    from safetensors.torch import save_file
+
+    from diffsynth_core.training.lora import fuse_lora_file
+
+    torch.manual_seed(0)
+    model = ToyDiT()
+    before = model.transformer_blocks[0].proj.weight.detach().clone()
+    down, up = torch.randn(2, 16), torch.randn(16, 2)
+    save_file({"transformer.transformer_blocks.0.proj.lora_A.weight": down,
+               "transformer.transformer_blocks.0.proj.lora_B.weight": up,
+               "transformer.transformer_blocks.0.proj.alpha": torch.tensor(4.0)}, str(tmp_path / "preset.safetensors"))
+    assert fuse_lora_file(model, tmp_path / "preset.safetensors") == 1
+    expected = before + (up @ down) * (4.0 / 2)
+    torch.testing.assert_close(model.transformer_blocks[0].proj.weight, expected)
+
+    save_file({"transformer.nope.lora_A.weight": down, "transformer.nope.lora_B.weight": up},
+              str(tmp_path / "bad.safetensors"))
+    with pytest.raises(ValueError, match="nope"):
+        fuse_lora_file(model, tmp_path / "bad.safetensors")
