@@ -190,11 +190,7 @@ def export_lora(peft_state_dict: dict[str, torch.Tensor], lora_config: dict[str,
                 out_dir: Path) -> dict[str, Path]:
     """diffusers file always; a ComfyUI file (``transformer.<name>`` + ``.alpha``) only when alpha != r:
     ComfyUI maps the diffusers FLUX names onto its fused qkv itself but ignores the header's alpha."""
-    paths = {"diffusers": lora_export.save_diffusers_lora(_pipeline_cls(), peft_state_dict, lora_config, out_dir)}
-    if lora_export.needs_alpha_tensors(lora_config):
-        sd = lora_export.comfy_state_dict(peft_state_dict, lora_config, lambda m: "transformer." + m)
-        paths["comfyui"] = lora_export.save_comfy_lora(sd, lora_config, out_dir)
-    return paths
+    return lora_export.export_with_alpha_file(_pipeline_cls(), peft_state_dict, lora_config, out_dir, "transformer.")
 
 
 SPEC = FamilySpec(

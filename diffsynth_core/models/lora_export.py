@@ -123,3 +123,15 @@ def save_comfy_lora(state_dict: dict[str, torch.Tensor], lora_config: dict[str, 
     metadata = {"format": "pt", "splitflow_lora_config": json.dumps(adapter_metadata(lora_config, None))}
     save_file(state_dict, str(path), metadata=metadata)
     return path
+
+
+def export_with_alpha_file(pipeline_cls, peft_state_dict: dict[str, torch.Tensor], lora_config: dict,
+                           out_dir: Path, comfy_prefix: str) -> dict[str, Path]:
+    """The diffusers file, plus a ComfyUI file (``<comfy_prefix><name>`` keys and ``.alpha`` tensors)
+    only when alpha != r: for families whose diffusers names ComfyUI already reads, the one thing
+    it misses is the alpha in the header."""
+    paths = {"diffusers": save_diffusers_lora(pipeline_cls, peft_state_dict, lora_config, out_dir)}
+    if needs_alpha_tensors(lora_config):
+        state_dict = comfy_state_dict(peft_state_dict, lora_config, lambda name: comfy_prefix + name)
+        paths["comfyui"] = save_comfy_lora(state_dict, lora_config, out_dir)
+    return paths

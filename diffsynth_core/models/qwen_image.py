@@ -20,6 +20,7 @@ import torch
 from . import lora_export, single_file, tiny_tokenizers
 from .base import Components, FamilySpec
 from .inputs import check_pixels
+from .latents import per_channel_normalised_mode
 from .loading import load_components as _load_components
 from .loading import MODEL_INIT_LOCK, module_dtype
 from .random_models import build_random_transformer, random_tensor
@@ -120,12 +121,7 @@ def encode_prompt(components: Components, prompt: str, device: str, *,
 def encode_pixels(components: Components, pixels: torch.Tensor, device: str) -> dict[str, torch.Tensor]:
     """VAE posterior mode, normalised per channel: ``(16, 1, H/8, W/8)``."""
     check_pixels(pixels, multiple=VAE_SCALE * PATCH, image_only=True)
-    vae = components["vae"]
-    with torch.no_grad():
-        z = vae.encode(pixels[None].to(device=device, dtype=vae.dtype)).latent_dist.mode()
-    mean = torch.tensor(vae.config.latents_mean, device=z.device).view(1, -1, 1, 1, 1)
-    std = torch.tensor(vae.config.latents_std, device=z.device).view(1, -1, 1, 1, 1)
-    return {"latents": ((z.float() - mean) / std).to(vae.dtype)[0]}
+    return {"latents": per_channel_normalised_mode(components["vae"], pixels, device)}
 
 
 # --- training forward ------------------------------------------------------------------------
@@ -172,11 +168,7 @@ def export_lora(peft_state_dict: dict[str, torch.Tensor], lora_config: dict[str,
                 out_dir: Path) -> dict[str, Path]:
     """diffusers file always; a ComfyUI file (``diffusion_model.<name>`` + ``.alpha``) only when alpha != r,
     since ComfyUI already reads the diffusers names for Qwen-Image but ignores the header's alpha."""
-    paths = {"diffusers": lora_export.save_diffusers_lora(_pipeline_cls(), peft_state_dict, lora_config, out_dir)}
-    if lora_export.needs_alpha_tensors(lora_config):
-        sd = lora_export.comfy_state_dict(peft_state_dict, lora_config, lambda m: "diffusion_model." + m)
-        paths["comfyui"] = lora_export.save_comfy_lora(sd, lora_config, out_dir)
-    return paths
+    return lora_export.export_with_alpha_file(_pipeline_cls(), peft_state_dict, lora_config, out_dir, "diffusion_model.")
 
 
 SPEC = FamilySpec(

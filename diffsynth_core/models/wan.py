@@ -21,6 +21,7 @@ import torch
 from . import lora_export, single_file, tiny_tokenizers
 from .base import Components, FamilySpec
 from .inputs import check_pixels
+from .latents import per_channel_normalised_mode
 from .loading import load_components as _load_components
 from .loading import MODEL_INIT_LOCK, module_dtype
 from .random_models import build_random_transformer, random_tensor
@@ -156,12 +157,7 @@ def encode_prompt(components: Components, prompt: str, device: str, *,
 def encode_pixels(components: Components, pixels: torch.Tensor, device: str) -> dict[str, torch.Tensor]:
     """VAE posterior mode, normalised per channel: ``(16, (F-1)/4+1, H/8, W/8)``."""
     check_pixels(pixels, multiple=VAE_SCALE * PATCH, frame_multiple=FRAME_MULTIPLE)
-    vae = components["vae"]
-    with torch.no_grad():
-        z = vae.encode(pixels[None].to(device=device, dtype=vae.dtype)).latent_dist.mode()
-    mean = torch.tensor(vae.config.latents_mean, device=z.device).view(1, -1, 1, 1, 1)
-    std = torch.tensor(vae.config.latents_std, device=z.device).view(1, -1, 1, 1, 1)
-    return {"latents": ((z.float() - mean) / std).to(vae.dtype)[0]}
+    return {"latents": per_channel_normalised_mode(components["vae"], pixels, device)}
 
 
 # --- training forward ------------------------------------------------------------------------
