@@ -29,6 +29,16 @@ def _entries(url):
     return {key: store.get(key) for key in store.require_complete()}
 
 
+def _assert_same_entries(url, reference_url):
+    """Both caches hold the same keys with bitwise-equal tensors."""
+    got, expected = _entries(url), _entries(reference_url)
+    assert got.keys() == expected.keys()
+    for key in expected:
+        for name, tensor in expected[key].items():
+            if isinstance(tensor, torch.Tensor):
+                assert torch.equal(got[key][name], tensor), (key, name)
+
+
 def test_rerun_encodes_nothing_and_a_changed_caption_reencodes_one_entry(make_config):
     cfg = make_config()
     first = preprocess.run(cfg)
@@ -124,12 +134,7 @@ def test_a_sigkilled_preprocess_resumes_to_the_same_cache_bit_for_bit(make_confi
     assert resumed.encoded == 16 - partial and resumed.complete
     reference = make_config(*overrides, f"cache.url={tmp_path / 'reference.zarr'}")
     preprocess.run(reference)
-    got, expected = _entries(cfg.cache_url), _entries(reference.cache_url)
-    assert got.keys() == expected.keys()
-    for key in expected:
-        for name, tensor in expected[key].items():
-            if isinstance(tensor, torch.Tensor):
-                assert torch.equal(got[key][name], tensor), (key, name)
+    _assert_same_entries(cfg.cache_url, reference.cache_url)
 
 
 def test_changing_max_pixels_reencodes_only_the_images_it_resizes(make_config):
@@ -148,9 +153,4 @@ def test_encoders_streamed_by_the_offload_engine_give_the_same_cache(make_config
     streamed = make_config("dataset.max_pixels=4096", "preprocess.offload_encoders=true",
                            f"cache.url={tmp_path / 'streamed.zarr'}")
     preprocess.run(streamed)
-    got, expected = _entries(streamed.cache_url), _entries(plain.cache_url)
-    assert got.keys() == expected.keys()
-    for key in expected:
-        for name, tensor in expected[key].items():
-            if isinstance(tensor, torch.Tensor):
-                assert torch.equal(got[key][name], tensor), (key, name)
+    _assert_same_entries(streamed.cache_url, plain.cache_url)
