@@ -40,8 +40,13 @@ def bench_family(name: str, args) -> dict:
     spec = get_family(name)
     dtype = getattr(torch, args.dtype)
     device = avoid_broken_kernels(args.device)
-    build_device = "cpu" if args.offload else args.device
-    model = spec.build_transformer(args.variant, dtype, build_device)
+    # Random weights are made fastest on the GPU; under offload they then move to host memory.
+    model = spec.build_transformer(args.variant, dtype, args.device)
+    if args.offload:
+        model.to("cpu")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
     samples = _samples(spec, model, args)
     train = TrainSection(lora_rank=args.rank, max_steps=args.warmup + args.steps, save_steps=0, seed=0,
                          gradient_checkpointing=args.checkpointing, device=args.device)
@@ -64,7 +69,8 @@ def bench_family(name: str, args) -> dict:
     return {"variant": args.variant, "device": args.device, "dtype": args.dtype, "offload": args.offload,
             "pixels": [args.height, args.width, args.frames], "lora_rank": args.rank,
             "params": sum(p.numel() for p in model.parameters()),
-            "s_per_step": round(seconds, 5), "steps_per_s": round(1.0 / seconds, 3)}
+            "s_per_step": round(seconds, 5), "steps_per_s": round(1.0 / seconds, 3),
+            "peak_gpu_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 2) if device.type == "cuda" else None}
 
 
 def main() -> None:
