@@ -10,12 +10,11 @@ resumption comes from disk, so a re-run or a ``prefect flow-run retry`` continue
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 from prefect import flow, get_run_logger
-from prefect.deployments import run_deployment
 
+from flows._prefect import result_or, start_run, wait_for_run
 from stages import preprocess as preprocess_stage
 from stages import train as train_stage
 from stages.config import RunConfig
@@ -39,39 +38,19 @@ def split_training_on_pools(cfg: RunConfig) -> dict:
     """Parent flow: parts on the preprocess pool (in parallel), then training on the train pool."""
     logger = get_run_logger()
     params = {"cfg": cfg.model_dump(mode="json")}
-    runs = [run_deployment("preprocess-part/preprocess-part", parameters={**params, "part": part}, timeout=0)
-            for part in range(cfg.preprocess.parts)]
-    finished = [_wait(run.id) for run in runs]
+    run_ids = [start_run("preprocess-part/preprocess-part", {**params, "part": part})
+               for part in range(cfg.preprocess.parts)]
+    finished = [wait_for_run(run_id) for run_id in run_ids]
     failed = [part for part, run in enumerate(finished) if not run.state.is_completed()]
     if failed:
         raise RuntimeError(f"preprocess parts {failed} did not complete; re-run to encode only what is missing")
-    skipped = [item for run in finished for item in _result_or(run, {"skipped": []})["skipped"]]
+    skipped = [item for run in finished for item in result_or(run, {"skipped": []})["skipped"]]
     final = preprocess_stage.finalize(cfg, skipped)
     logger.info("cache complete=%s (%s rows)", final.complete, final.rows)
-    trained = _wait(run_deployment("train-stage/train-stage", parameters=params, timeout=0).id)
+    trained = wait_for_run(start_run("train-stage/train-stage", params))
     if not trained.state.is_completed():
         raise RuntimeError(f"training run {trained.id} ended {trained.state.type.value}; re-run to resume")
-    return {"preprocess": final.as_dict(), "train": _result_or(trained, {"id": str(trained.id)})}
-
-
-def _result_or(flow_run, default: dict) -> dict:
-    """A child's return value when its result was persisted where this process can read it."""
-    try:
-        return flow_run.state.result()
-    except Exception:  # MissingResult: results live on the worker's machine; the disk state is what counts
-        return default
-
-
-def _wait(flow_run_id, poll_seconds: float = 2.0):
-    """Block until the child flow run reaches a final state; return it."""
-    from prefect import get_client
-
-    with get_client(sync_client=True) as client:
-        while True:
-            flow_run = client.read_flow_run(flow_run_id)
-            if flow_run.state is not None and flow_run.state.is_final():
-                return flow_run
-            time.sleep(poll_seconds)
+    return {"preprocess": final.as_dict(), "train": result_or(trained, {"id": str(trained.id)})}
 
 
 def deploy(cfg: RunConfig, config_path: Path, preprocess_pool: str, train_pool: str) -> dict:
