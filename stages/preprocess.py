@@ -52,19 +52,26 @@ class CacheSummary:
 class Plan:
     spec: FamilySpec
     dataset: SampleDataset
-    keys: list[str]      # one content key per metadata row
-    fingerprint: str     # identity of the encoders
+    keys: dict[int, str]  # row -> content key, for the rows this plan covers, in row order
+    fingerprint: str      # identity of the encoders
 
 
-def make_plan(cfg: RunConfig) -> Plan:
-    """Key every row by content: its fields and file bytes, the decode settings, the encoders."""
+def make_plan(cfg: RunConfig, part: int | None = None) -> Plan:
+    """Key rows by content: their fields and file bytes, the decode settings, the encoders.
+
+    With ``part`` only that part's rows are keyed: hashing file bytes reads the whole part, so
+    each writer reads its own rows and not the dataset.
+    """
     spec = get_family(cfg.model.family)
     dataset = open_dataset(cfg, spec)
     identity = encoder_identity(cfg, spec)
     encoding = {"max_sequence_length": cfg.preprocess.max_sequence_length, "dtype": cfg.model.dtype,
                 "encoders": identity}
-    keys = [entry_key(record, dataset.source_files(i), {**dataset.key_settings(i), **encoding})
-            for i, record in enumerate(dataset.records)]
+    rows = range(len(dataset.records))
+    if part is not None:
+        rows = rows[part::cfg.preprocess.parts]
+    keys = {row: entry_key(dataset.records[row], dataset.source_files(row),
+                           {**dataset.key_settings(row), **encoding}) for row in rows}
     return Plan(spec, dataset, keys, fingerprint_of(identity))
 
 
@@ -73,14 +80,12 @@ def _open_store(cfg: RunConfig, plan: Plan, writer: str | None):
                       writer=writer, storage_options=cfg.cache.storage_options or None)
 
 
-def _rows_of_part(plan: Plan, part: int | None, parts: int) -> list[int]:
-    rows = range(len(plan.keys)) if part is None else range(part, len(plan.keys), parts)
-    seen, unique = set(), []
-    for row in rows:  # identical rows share one entry
-        if plan.keys[row] not in seen:
-            seen.add(plan.keys[row])
-            unique.append(row)
-    return unique
+def _unique_rows(plan: Plan) -> list[int]:
+    """The plan's rows, the first of each group of identical rows (they share one entry)."""
+    first_row = {}
+    for row, key in plan.keys.items():
+        first_row.setdefault(key, row)
+    return list(first_row.values())
 
 
 def _encode_row(plan: Plan, components, row: int, device: torch.device, prompt_options: dict) -> dict | None:
@@ -119,10 +124,10 @@ def run(cfg: RunConfig, part: int | None = None) -> CacheSummary:
     parts = cfg.preprocess.parts
     if part is not None and not 0 <= part < parts:
         raise ValueError(f"part {part} out of range: preprocess.parts = {parts}")
-    plan = make_plan(cfg)
+    plan = make_plan(cfg, part)
     writer = "all" if part is None else f"part-{part}-of-{parts}"
     store = _open_store(cfg, plan, writer)
-    rows = _rows_of_part(plan, part, parts)
+    rows = _unique_rows(plan)
     todo = [row for row in rows if not store.has(plan.keys[row])]
     summary = CacheSummary(store.url, part, parts, len(rows), 0, len(rows) - len(todo))
     if todo:
@@ -168,7 +173,7 @@ def finalize(cfg: RunConfig, skipped: list[dict] = (), plan: Plan | None = None)
     plan = plan or make_plan(cfg)
     store = _open_store(cfg, plan, writer=None)
     skipped_keys = {item["key"] for item in skipped}
-    store.set_dataset_keys([k for k in dict.fromkeys(plan.keys) if k not in skipped_keys])
+    store.set_dataset_keys([k for k in dict.fromkeys(plan.keys.values()) if k not in skipped_keys])
     missing = store.missing_keys()
     return CacheSummary(store.url, None, cfg.preprocess.parts, len(plan.keys), 0, len(plan.keys) - len(missing),
                         list(skipped), complete=not missing)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cache_store import CacheFormatError, open_cache
+from diffsynth_core.training.checkpoint import CheckpointManager
 
 from .config import RunConfig
 
@@ -23,13 +24,11 @@ def _cache_status(cfg: RunConfig) -> dict:
 
 
 def _train_status(cfg: RunConfig) -> dict:
-    checkpoints = cfg.output_dir / "checkpoints"
-    pointer = checkpoints / "latest"
-    latest = pointer.read_text().strip() if pointer.is_file() else None
-    step = int(latest.split("-")[1]) if latest else 0
+    checkpoints = CheckpointManager(cfg.output_dir / "checkpoints")
+    latest = checkpoints.latest_dir()
     exports = sorted(str(p) for p in Path(cfg.output_dir).glob("*.safetensors"))
-    return {"output": str(cfg.output_dir), "step": step, "max_steps": cfg.train.max_steps,
-            "latest_checkpoint": str(checkpoints / latest) if latest else None, "exports": exports}
+    return {"output": str(cfg.output_dir), "step": checkpoints.latest_step(), "max_steps": cfg.train.max_steps,
+            "latest_checkpoint": str(latest) if latest else None, "exports": exports}
 
 
 def run_status(cfg: RunConfig) -> dict:

@@ -21,7 +21,7 @@ import torch
 
 from . import lora_export, single_file, tiny_tokenizers
 from .base import Components, FamilySpec
-from .inputs import check_pixels
+from .inputs import check_pixels, prompt_length
 from .loading import load_components as _load_components
 from .loading import MODEL_INIT_LOCK, module_dtype, unwrap
 from .random_models import build_random_transformer, random_tensor
@@ -122,8 +122,7 @@ def encode_prompt(components: Components, prompt: str, device: str, *,
                   max_sequence_length: int | None = None) -> dict[str, torch.Tensor]:
     """``FluxPipeline.encode_prompt`` for one prompt (T5 padded to the max length), no batch dim."""
     tokenizer_2 = components["tokenizer_2"]
-    if max_sequence_length is None:
-        max_sequence_length = min(DEFAULT_MAX_SEQUENCE_LENGTH, tokenizer_2.model_max_length)
+    max_sequence_length = prompt_length(tokenizer_2, max_sequence_length, DEFAULT_MAX_SEQUENCE_LENGTH)
     pipe = _pipeline_cls()(scheduler=None, vae=None, text_encoder=components["text_encoder"],
                            tokenizer=components["tokenizer"], text_encoder_2=components["text_encoder_2"],
                            tokenizer_2=tokenizer_2, transformer=None)

@@ -19,3 +19,9 @@ def check_pixels(pixels: torch.Tensor, *, multiple: int, frame_multiple: int = 1
         raise ValueError(f"frame count must be {frame_multiple}k+1, got {frames}")
     if height % multiple or width % multiple:
         raise ValueError(f"pixel height and width must be multiples of {multiple}, got {height}x{width}")
+
+
+def prompt_length(tokenizer, requested: int | None, family_default: int) -> int:
+    """The requested max prompt length, else the family's default capped at the tokenizer's limit
+    (tiny test tokenizers allow far fewer tokens than the released ones)."""
+    return requested if requested is not None else min(family_default, tokenizer.model_max_length)

@@ -20,7 +20,7 @@ import torch
 
 from . import lora_export, single_file, tiny_tokenizers
 from .base import Components, FamilySpec
-from .inputs import check_pixels
+from .inputs import check_pixels, prompt_length
 from .latents import per_channel_normalised_mode
 from .loading import load_components as _load_components
 from .loading import MODEL_INIT_LOCK, module_dtype
@@ -144,8 +144,7 @@ def encode_prompt(components: Components, prompt: str, device: str, *,
                   max_sequence_length: int | None = None) -> dict[str, torch.Tensor]:
     """``WanPipeline.encode_prompt`` (no CFG) for one prompt, zero-padded to the max length, no batch dim."""
     tokenizer = components["tokenizer"]
-    if max_sequence_length is None:
-        max_sequence_length = min(DEFAULT_MAX_SEQUENCE_LENGTH, tokenizer.model_max_length)
+    max_sequence_length = prompt_length(tokenizer, max_sequence_length, DEFAULT_MAX_SEQUENCE_LENGTH)
     pipe = _pipeline_cls()(tokenizer=tokenizer, text_encoder=components["text_encoder"], vae=None,
                            scheduler=None, transformer=None)
     with torch.no_grad():

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 LATEST = "latest"
 
@@ -65,6 +66,11 @@ class CheckpointManager:
         self._prune()
         return final
 
+    def latest_step(self) -> int:
+        """The step of the newest complete checkpoint, 0 when there is none."""
+        path = self.latest_dir()
+        return int(path.name.split("-")[1]) if path is not None else 0
+
     def latest_dir(self) -> Path | None:
         pointer = self.root / LATEST
         if not pointer.is_file():
@@ -79,10 +85,8 @@ class CheckpointManager:
         path = self.latest_dir()
         if path is None:
             return None
-        weights = load_file(str(path / "trainable.safetensors"))
-        from safetensors import safe_open
-
         with safe_open(str(path / "trainable.safetensors"), framework="pt") as handle:
+            weights = {name: handle.get_tensor(name) for name in handle.keys()}
             metadata = {k: json.loads(v) for k, v in (handle.metadata() or {}).items()}
         return {
             "path": path,
