@@ -17,6 +17,8 @@ from typing import Any, Iterable, Protocol, runtime_checkable
 
 import torch
 
+from diffsynth_core.errors import InputError
+
 Entry = dict[str, Any]  # str -> Tensor, plus "meta" -> dict
 
 
@@ -31,12 +33,12 @@ class VerifyReport:
         return not self.errors and not self.missing
 
 
-class IncompleteCacheError(RuntimeError):
-    """Training was asked to read a cache that lacks entries the dataset needs."""
+class IncompleteCacheError(InputError):
+    """Training was asked to read a cache that lacks entries the dataset needs (exit code 2)."""
 
 
-class CacheFormatError(RuntimeError):
-    """A file or entry in the cache is unreadable, tampered with or disagrees with its manifest."""
+class CacheFormatError(InputError):
+    """A file or entry in the cache is unreadable, tampered with or disagrees with its manifest (exit code 2)."""
 
 
 @runtime_checkable

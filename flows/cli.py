@@ -13,7 +13,8 @@ import os
 import sys
 from pathlib import Path
 
-from stages.config import ConfigError, RunConfig, diffsynth_flags_to_overrides, load_config
+from diffsynth_core.errors import EXIT_BUG, classify
+from stages.config import RunConfig, diffsynth_flags_to_overrides, load_config
 
 DEFAULT_DEMO_DIR = "splitflow-demo"
 
@@ -144,9 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Fine-tune diffusion transformers on small GPUs: preprocess (encoders -> cache), "
                     "then train (DiT or LoRA from the cache, weights offloaded). Try: splitflow demo",
     )
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a failure")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     for name, (_, help_text) in VERBS.items():
         sub = verbs.add_parser(name, help=help_text, description=help_text)
+        sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                         help="show the traceback of a failure")
         if name == "cache":
             sub.add_argument("action", choices=["inspect", "verify"])
             sub.add_argument("path", help="cache URL or folder (e.g. out/cache.zarr, s3://bucket/cache.zarr)")
@@ -169,15 +173,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def report_failure(verb: str, err: BaseException, debug: bool) -> int:
+    """One line naming what failed and what to do; the documented exit code (README, DESIGN).
+
+    2: the user's input (config, data, cache); 3: the environment (disk, permissions, network,
+    server, a lock held elsewhere); 1: a bug.  ``--debug`` adds the traceback.
+    """
+    import traceback
+
+    classified = classify(err)
+    if debug:
+        traceback.print_exception(err, file=sys.stderr)
+    if classified is None:
+        print(f"splitflow {verb}: internal error: {type(err).__name__}: {err} "
+              f"(a bug: re-run with --debug for the traceback and report it)", file=sys.stderr)
+        return EXIT_BUG
+    print(f"splitflow {verb}: error: {classified}", file=sys.stderr)
+    return classified.exit_code
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Unknown arguments may be DiffSynth-Studio flags (--dataset_base_path ...): mapped per verb.
     args, extra = parser.parse_known_args(argv)
     try:
         return VERBS[args.verb][0](args, extra)
-    except (ConfigError, FileNotFoundError, ValueError) as err:
-        print(f"splitflow {args.verb}: error: {err}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print(f"splitflow {args.verb}: interrupted; work written so far is kept, re-run to resume", file=sys.stderr)
+        return 130
+    except Exception as err:  # noqa: BLE001 -- the one place where failures become exit codes
+        return report_failure(args.verb, err, args.debug)
 
 
 if __name__ == "__main__":

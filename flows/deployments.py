@@ -18,6 +18,7 @@ from flows._prefect import result_or, start_run, wait_for_run
 from stages import preprocess as preprocess_stage
 from stages import train as train_stage
 from stages.config import RunConfig
+from diffsynth_core.errors import InputError
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 ENTRYPOINT = "flows/deployments.py"
@@ -55,7 +56,7 @@ def split_training_on_pools(cfg: RunConfig) -> dict:
 
 def deploy(cfg: RunConfig, config_path: Path, preprocess_pool: str, train_pool: str) -> dict:
     if not os.environ.get("PREFECT_API_URL"):
-        raise ValueError("deploy needs a Prefect server: start one (prefect server start) and set PREFECT_API_URL")
+        raise InputError("deploy needs a Prefect server: start one (prefect server start) and set PREFECT_API_URL")
     params = {"cfg": cfg.model_dump(mode="json")}
     plan = [("preprocess_part_flow", "preprocess-part", preprocess_pool, {**params, "part": 0}),
             ("train_stage_flow", "train-stage", train_pool, params),

@@ -13,6 +13,7 @@ from diffsynth_core.data import SampleDataset
 from diffsynth_core.models import FamilySpec
 
 from .config import RunConfig
+from diffsynth_core.errors import InputError
 
 
 def resolve_device(name: str) -> torch.device:
@@ -21,7 +22,7 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} asked for, but this machine has no CUDA device")
+        raise InputError(f"device {name!r} asked for, but this machine has no CUDA device")
     return device
 
 
@@ -52,7 +53,7 @@ def model_dtype(cfg: RunConfig) -> torch.dtype:
 def open_dataset(cfg: RunConfig, spec: FamilySpec) -> SampleDataset:
     section = cfg.dataset
     if not section.metadata_path:
-        raise ValueError("dataset.metadata_path is empty: point it at a metadata.csv/.json/.jsonl file")
+        raise InputError("dataset.metadata_path is empty: point it at a metadata.csv/.json/.jsonl file")
     return SampleDataset(
         section.metadata_path, section.base_path or None,
         data_file_keys=tuple(section.data_file_keys), height=section.height, width=section.width,
@@ -69,12 +70,12 @@ def encoder_identity(cfg: RunConfig, spec: FamilySpec) -> dict:
     """
     root = Path(cfg.model.path)
     if not root.is_dir():
-        raise FileNotFoundError(f"model.path {root} is not a directory (expected a diffusers-layout model folder)")
+        raise InputError(f"model.path {root} is not a directory (expected a diffusers-layout model folder)")
     components = {}
     for name in spec.encoder_components:
         folder = root / name
         if not folder.is_dir():
-            raise FileNotFoundError(f"model folder {root} has no {name}/ component, which family {spec.name} needs")
+            raise InputError(f"model folder {root} has no {name}/ component, which family {spec.name} needs")
         files = {}
         for path in sorted(p for p in folder.rglob("*") if p.is_file()):
             rel = str(path.relative_to(folder))

@@ -16,9 +16,11 @@ import tomli_w
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from diffsynth_core.errors import InputError
 
-class ConfigError(ValueError):
-    """A config file, key or value is wrong; the message names the dotted key."""
+
+class ConfigError(InputError):
+    """A config file, key or value is wrong; the message names the dotted key (exit code 2)."""
 
 
 class _Section(BaseModel):
@@ -80,6 +82,7 @@ class TrainSection(_Section):
     keep_checkpoints: int = Field(3, ge=1)
     seed: int = 0
     gradient_accumulation_steps: int = Field(1, ge=1)
+    batch_size: int = Field(1, ge=1)  # samples per forward pass (bucketed by shape)
     max_grad_norm: float | None = Field(1.0, gt=0)
     warmup_steps: int = Field(0, ge=0)
     lora_rank: int = Field(16, ge=0)  # 0 together with trainable_models: full fine-tuning

@@ -21,6 +21,7 @@ from diffsynth_core.training.device import avoid_broken_kernels
 
 from .common import encoder_identity, model_dtype, open_dataset, resolve_device
 from .config import RunConfig
+from diffsynth_core.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ def run(cfg: RunConfig, part: int | None = None) -> CacheSummary:
     started = time.perf_counter()
     parts = cfg.preprocess.parts
     if part is not None and not 0 <= part < parts:
-        raise ValueError(f"part {part} out of range: preprocess.parts = {parts}")
+        raise InputError(f"part {part} out of range: preprocess.parts = {parts}")
     plan = make_plan(cfg, part)
     writer = "all" if part is None else f"part-{part}-of-{parts}"
     store = _open_store(cfg, plan, writer)

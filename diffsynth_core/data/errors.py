@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..errors import InputError
 
-class DatasetError(ValueError):
+
+class DatasetError(InputError):
     """Bad metadata or a bad media file.
 
     The message names the metadata file, the row (both the 1-based data row, header not
@@ -20,7 +22,7 @@ class DatasetError(ValueError):
         self.metadata = None if metadata is None else str(metadata)
         self.row = row
         self.file = None if file is None else str(file)
-        super().__init__(self._format())
+        super().__init__(self._format())  # InputError: exit code 2, never retried
 
     def __reduce__(self):
         # Keep the parts across pickling (DataLoader workers, multiprocessing pools).

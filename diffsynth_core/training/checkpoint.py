@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from ..errors import InputError
 
 LATEST = "latest"
 
@@ -77,7 +78,7 @@ class CheckpointManager:
             return None
         path = self.root / pointer.read_text().strip()
         if not (path / "state.pt").is_file():
-            raise RuntimeError(f"checkpoint pointer {pointer} names {path}, which is incomplete")
+            raise InputError(f"checkpoint pointer {pointer} names {path}, which is incomplete")
         return path
 
     def load(self) -> dict[str, Any] | None:

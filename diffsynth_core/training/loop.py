@@ -25,6 +25,7 @@ from .flow_matching import flow_matching_loss, loss_weight, noisy_latents, sampl
 from .metrics import MetricsLog
 from .prepare import Prepared, prepare_for_training
 from .sampler import ResumableSampler, SamplerState
+from ..errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,9 @@ class Trainer:
 
     # -- public verbs --------------------------------------------------------------------------
     def fit(self) -> TrainResult:
+        if getattr(self.train, "batch_size", 1) != 1:
+            raise InputError("train.batch_size > 1 is not supported by this version; "
+                             "use train.gradient_accumulation_steps")
         prepared = prepare_for_training(self.model, self.spec, self.train, self.offload_opts, self.device)
         sampler = ResumableSampler(len(self.samples), self.repeat, self.train.seed, self.rank, self.world_size)
         step = self._resume(prepared, sampler)
@@ -170,7 +174,7 @@ class Trainer:
         saved = checkpoint["weights"]
         missing = sorted(set(prepared.trainable) - set(saved))
         if missing:
-            raise RuntimeError(f"checkpoint {checkpoint['path']} lacks trainable parameters {missing[:5]} "
+            raise InputError(f"checkpoint {checkpoint['path']} lacks trainable parameters {missing[:5]} "
                                f"({len(missing)} in all): it was written by a different LoRA/model setup")
         with torch.no_grad():
             for name, param in prepared.trainable.items():

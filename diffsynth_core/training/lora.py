@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from ..errors import InputError
 
 ADAPTER_NAME = "default"
 
@@ -25,7 +26,7 @@ def resolve_lora_targets(model: nn.Module, targets: list[str] | tuple[str, ...])
             unmatched.append(target)
         resolved.extend(h for h in hits if h not in resolved)
     if unmatched:
-        raise ValueError(
+        raise InputError(
             f"LoRA target(s) {unmatched} match no Linear module of {type(model).__name__}; "
             f"examples of valid names: {sorted({n.split('.')[-1] for n in linear_names})[:20]}"
         )
@@ -81,7 +82,7 @@ def fuse_lora_file(model: nn.Module, path: Path | str, scale: float = 1.0) -> in
             continue
         module_name = key.split(".lora_A.")[0].removeprefix("transformer.").removeprefix("diffusion_model.")
         if module_name not in modules:
-            raise ValueError(f"preset LoRA {path}: key {key!r} names no module of the model")
+            raise InputError(f"preset LoRA {path}: key {key!r} names no module of the model")
         up = tensors[key.replace(".lora_A.", ".lora_B.")]
         alpha_key = key.split(".lora_A.")[0] + ".alpha"
         rank = down.shape[0]
@@ -91,5 +92,5 @@ def fuse_lora_file(model: nn.Module, path: Path | str, scale: float = 1.0) -> in
         weight.data += delta.to(weight.dtype)
         fused += 1
     if fused == 0:
-        raise ValueError(f"preset LoRA {path}: no lora_A/lora_B pairs found")
+        raise InputError(f"preset LoRA {path}: no lora_A/lora_B pairs found")
     return fused

@@ -26,6 +26,7 @@ from torch import nn
 
 from ..models.base import FamilySpec
 from .lora import fuse_lora_file, inject_lora
+from ..errors import InputError
 
 
 @dataclass
@@ -49,7 +50,7 @@ def build_optimizer(class_path: str, params, learning_rate: float, weight_decay:
     try:
         optimizer_class = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError, ValueError) as err:
-        raise ValueError(f"train.optimizer: cannot import {class_path!r} ({err})") from None
+        raise InputError(f"train.optimizer: cannot import {class_path!r} ({err})") from None
     extra = {"fused": True} if on_host and optimizer_class in (torch.optim.Adam, torch.optim.AdamW) else {}
     return optimizer_class(params, lr=learning_rate, weight_decay=weight_decay, **extra)
 
@@ -65,17 +66,17 @@ def constant_with_warmup(optimizer: torch.optim.Optimizer, warmup_steps: int) ->
 def _choose_trainable(model: nn.Module, spec: FamilySpec, train) -> dict[str, Any] | None:
     full_finetune = spec.transformer_component in train.trainable_models
     if full_finetune and train.lora_rank > 0:
-        raise ValueError("train.trainable_models includes the transformer and train.lora_rank > 0: "
+        raise InputError("train.trainable_models includes the transformer and train.lora_rank > 0: "
                          "choose LoRA (lora_rank > 0) or full fine-tuning (lora_rank = 0), not both")
     unknown = set(train.trainable_models) - {spec.transformer_component}
     if unknown:
-        raise ValueError(f"train.trainable_models: {sorted(unknown)} cannot be trained from the cache; "
+        raise InputError(f"train.trainable_models: {sorted(unknown)} cannot be trained from the cache; "
                          f"stage 2 holds only {spec.transformer_component!r}")
     if full_finetune:
         model.requires_grad_(True)
         return None
     if train.lora_rank <= 0:
-        raise ValueError("nothing to train: set train.lora_rank > 0 or train.trainable_models = ['transformer']")
+        raise InputError("nothing to train: set train.lora_rank > 0 or train.trainable_models = ['transformer']")
     targets = train.lora_target_modules or list(spec.lora_target_modules)
     return inject_lora(model, targets, train.lora_rank, train.lora_alpha, train.lora_init)
 

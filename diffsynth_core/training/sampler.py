@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from ..errors import InputError
 
 
 @dataclass
@@ -20,7 +21,7 @@ class SamplerState:
 class ResumableSampler:
     def __init__(self, num_samples: int, repeat: int = 1, seed: int = 0, rank: int = 0, world_size: int = 1):
         if num_samples <= 0:
-            raise ValueError("the training set is empty: nothing to sample")
+            raise InputError("the training set is empty: nothing to sample")
         self.num_samples, self.repeat, self.seed = num_samples, repeat, seed
         self.rank, self.world_size = rank, world_size
         self.state = SamplerState()

@@ -1,0 +1,55 @@
+"""The error taxonomy: classes carry exit codes and retryability; library errors are classified."""
+
+from __future__ import annotations
+
+import errno
+import subprocess
+import sys
+
+import pytest
+
+from cache_store import CacheFormatError, IncompleteCacheError
+from diffsynth_core.data.errors import DatasetError
+from diffsynth_core.errors import (EXIT_BUG, EXIT_ENVIRONMENT, EXIT_INPUT, EnvironmentFailure, InputError,
+                                   LockHeldError, classify, exit_code_of, is_retryable)
+from stages.config import ConfigError
+
+
+@pytest.mark.parametrize("error", [ConfigError("x"), DatasetError("x", row=3), CacheFormatError("x"),
+                                   IncompleteCacheError("x")])
+def test_input_errors_exit_2_and_are_never_retried(error):
+    assert isinstance(error, InputError) and isinstance(error, ValueError)
+    assert exit_code_of(error) == EXIT_INPUT
+    assert not is_retryable(error)
+
+
+def test_environment_failures_exit_3():
+    assert exit_code_of(LockHeldError("held by pid 1")) == EXIT_ENVIRONMENT
+    assert is_retryable(EnvironmentFailure("server down"))
+    assert not is_retryable(EnvironmentFailure("x", retryable=False))
+
+
+def test_disk_full_is_named_and_not_retried():
+    full = OSError(errno.ENOSPC, "No space left on device", "/out/checkpoints/step-1/trainable.safetensors")
+    wrapped = RuntimeError("unexpected pos 7936 vs 7824")
+    wrapped.__cause__ = full  # libraries that wrap the OS error
+    found = classify(wrapped)
+    assert found is not None and found.exit_code == EXIT_ENVIRONMENT and not found.retryable
+    assert "/out/checkpoints/step-1/trainable.safetensors" in str(found) and "disk is full" in str(found)
+
+
+def test_network_errors_are_retryable_and_bugs_exit_1():
+    assert is_retryable(ConnectionRefusedError(errno.ECONNREFUSED, "refused"))
+    assert exit_code_of(ConnectionRefusedError(errno.ECONNREFUSED, "refused")) == EXIT_ENVIRONMENT
+    assert classify(ZeroDivisionError()) is None and exit_code_of(KeyError("k")) == EXIT_BUG
+
+
+def test_cli_prints_one_line_and_the_documented_code(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "flows.cli", "status", str(tmp_path / "missing.toml")],
+                         capture_output=True, text=True)
+    assert run.returncode == EXIT_INPUT
+    assert run.stderr.strip().splitlines() == [f"splitflow status: error: config file not found: "
+                                               f"{tmp_path / 'missing.toml'}"]
+    debug = subprocess.run([sys.executable, "-m", "flows.cli", "--debug", "status", str(tmp_path / "missing.toml")],
+                           capture_output=True, text=True)
+    assert debug.returncode == EXIT_INPUT and "Traceback" in debug.stderr
