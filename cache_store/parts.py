@@ -41,6 +41,7 @@ class PartStore:
         self.writer = writer or "writer"
         self._part: str | None = None          # part being written by this process
         self._pending: dict[str, dict] = {}    # key -> record, not yet committed
+        self._pending_skips: dict[str, dict] = {}  # key -> why its row was skipped, not yet committed
         self.refresh()
 
     @property
@@ -68,6 +69,7 @@ class PartStore:
     def refresh(self) -> None:
         """Re-read the manifests (other writers may have committed since we opened)."""
         self._index: dict[str, tuple[str, dict]] = {}
+        self._skips: dict[str, dict] = {}  # key -> {"row", "file", "reason"}: bad rows a writer skipped
         self._parts: list[str] = []
         self.duplicates = 0
         self.bad_parts: dict[str, str] = {}
@@ -81,6 +83,8 @@ class PartStore:
                 self.bad_parts[part] = str(e)
                 continue
             self._parts.append(part)
+            for rec in manifest.get("skipped", []):
+                self._skips.setdefault(rec["key"], {k: v for k, v in rec.items() if k != "key"})
             for rec in manifest["entries"]:
                 if rec["key"] in self._index:
                     self.duplicates += 1  # same content committed twice: first part (by name) wins
@@ -130,21 +134,42 @@ class PartStore:
             self._start_part(self._part)
         self._pending[key] = self._write_entry(self._part, key, entry)
 
+    def put_skipped(self, key: str, info: dict[str, Any]) -> None:
+        """Record that the row keyed ``key`` was skipped as bad (``info``: row, file, reason).
+
+        Committed with the part's manifest, so which rows were skipped and why is read from the
+        cache itself (finalize, training, status), never from a result passed between processes.
+        """
+        if self.mode == "r":
+            raise PermissionError(f"cache {self.url} was opened read-only")
+        self._pending_skips[key] = {k: info.get(k) for k in ("row", "file", "reason")}
+
+    def skipped(self) -> dict[str, dict]:
+        """Committed skip records: key -> {"row", "file", "reason"} (first record per key wins)."""
+        return dict(self._skips)
+
     def commit(self) -> None:
-        """Publish every entry put since the last commit, all at once."""
-        if not self._pending:
+        """Publish every entry (and skip record) put since the last commit, all at once."""
+        if not self._pending and not self._pending_skips:
             return
+        if self._part is None:  # only skip records: a manifest without data
+            self._part = f"{self.writer}-{uuid.uuid4().hex[:12]}"
+        else:
+            self._finish_part(self._part)
         part = self._part
-        self._finish_part(part)
         entries = [{"key": k, **rec} for k, rec in self._pending.items()]
+        skipped = [{"key": k, **rec} for k, rec in self._pending_skips.items()]
         manifest = {"part": part, "writer": self.writer, "backend": self.backend,
-                    "fingerprint": self.fingerprint, "committed_at": time.time(), "entries": entries}
+                    "fingerprint": self.fingerprint, "committed_at": time.time(), "entries": entries,
+                    "skipped": skipped}
         self.root.write_bytes(f"{MANIFESTS}/{part}.json", json.dumps(manifest).encode())  # the commit point
         self._parts.append(part)
         for rec in entries:
             self._index.setdefault(rec["key"], (part, rec))
+        for rec in skipped:
+            self._skips.setdefault(rec["key"], {k: v for k, v in rec.items() if k != "key"})
         self._sorted_keys = sorted(self._index)
-        self._part, self._pending = None, {}
+        self._part, self._pending, self._pending_skips = None, {}, {}
 
     def __enter__(self):
         return self

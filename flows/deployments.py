@@ -45,8 +45,7 @@ def split_training_on_pools(cfg: RunConfig) -> dict:
     failed = [part for part, run in enumerate(finished) if not run.state.is_completed()]
     if failed:
         raise RuntimeError(f"preprocess parts {failed} did not complete; re-run to encode only what is missing")
-    skipped = [item for run in finished for item in result_or(run, {"skipped": []})["skipped"]]
-    final = preprocess_stage.finalize(cfg, skipped)
+    final = preprocess_stage.finalize(cfg)  # skipped rows are recorded in the cache by each part
     logger.info("cache complete=%s (%s rows)", final.complete, final.rows)
     trained = wait_for_run(start_run("train-stage/train-stage", params))
     if not trained.state.is_completed():

@@ -163,17 +163,27 @@ def _encode_rows(cfg: RunConfig, plan: Plan, store, rows: list[int]) -> tuple[in
     finally:
         for manager in managers:
             manager.detach()
-    skipped_reasons = {row: reason for row, _, reason in plan.dataset.skipped}
+    skipped_reasons = {row: (file, reason) for row, file, reason in plan.dataset.skipped}
     for item in skipped:
-        item["reason"] = skipped_reasons.get(item["row"], "")
+        item["file"], item["reason"] = skipped_reasons.get(item["row"], ("", ""))
+        store.put_skipped(item["key"], item)  # on disk: finalize and training read it from the cache
+    store.commit()
     return encoded, skipped
 
 
 def finalize(cfg: RunConfig, skipped: list[dict] = (), plan: Plan | None = None) -> CacheSummary:
-    """Record the keys the current dataset trains on (bad rows that were skipped excluded)."""
+    """Record the keys the current dataset trains on (bad rows that were skipped excluded).
+
+    Skipped rows are read from the cache (every writer records them there), so no result
+    needs to travel from the parts to here; ``skipped`` adds rows known only to the caller.
+    """
     plan = plan or make_plan(cfg)
     store = _open_store(cfg, plan, writer=None)
-    skipped_keys = {item["key"] for item in skipped}
+    wanted = set(plan.keys.values())
+    recorded = store.skipped() if cfg.dataset.skip_bad_samples else {}
+    by_key = {item["key"]: dict(item) for item in skipped}
+    by_key.update({k: {"key": k, **v} for k, v in recorded.items() if k in wanted and k not in by_key})
+    skipped, skipped_keys = list(by_key.values()), set(by_key)
     store.set_dataset_keys([k for k in dict.fromkeys(plan.keys.values()) if k not in skipped_keys])
     missing = store.missing_keys()
     return CacheSummary(store.url, None, cfg.preprocess.parts, len(plan.keys), 0, len(plan.keys) - len(missing),

@@ -96,6 +96,25 @@ def test_bad_rows_are_skipped_and_reported_when_asked(make_config):
     assert [item["row"] for item in summary.skipped] == [16] and "broken.png" in summary.skipped[0]["reason"]
 
 
+
+def test_skipped_rows_are_recorded_in_the_cache_so_a_separate_finalize_completes(make_config):
+    """Parts run as separate processes (pools) return nothing to finalize: the cache says what was skipped."""
+    cfg = make_config("dataset.skip_bad_samples=true", "preprocess.parts=2")
+    open(os.path.join(cfg.dataset.base_path, "broken.png"), "wb").write(b"not a png")
+    _rewrite_metadata(cfg, lambda rows: rows + [{"image": "broken.png", "prompt": "broken"}])
+    for part in range(2):
+        preprocess.run(cfg, part)
+    store = open_cache(cfg.cache_url, mode="r")
+    [(key, record)] = store.skipped().items()
+    assert record["row"] == 16 and record["file"].endswith("broken.png") and record["reason"]
+    final = preprocess.finalize(cfg)  # no skipped list handed over
+    assert final.complete and [item["row"] for item in final.skipped] == [16]
+    assert key not in open_cache(cfg.cache_url, mode="r").dataset_keys()
+    strict = cfg.model_copy(update={"dataset": cfg.dataset.model_copy(update={"skip_bad_samples": False})})
+    assert not preprocess.finalize(strict).complete  # skip off again: the bad row is missing, not silently dropped
+    assert open_cache(cfg.cache_url, mode="r").missing_keys() == [key]
+
+
 KILLABLE = """
 import sys, time
 from stages import preprocess
