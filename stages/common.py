@@ -62,22 +62,32 @@ def open_dataset(cfg: RunConfig, spec: FamilySpec) -> SampleDataset:
     )
 
 
+def component_files(cfg: RunConfig, spec: FamilySpec, name: str) -> list[Path]:
+    """The files component ``name`` is loaded from, in a stable order (what identifies it).
+
+    Today a component is a subfolder of ``model.path`` in the diffusers layout; other layouts
+    (released single files) plug in here, so identity and loading always agree on the files.
+    """
+    root = Path(cfg.model.path)
+    if not root.is_dir():
+        raise InputError(f"model.path {root} is not a directory (expected a diffusers-layout model folder)")
+    folder = root / name
+    if not folder.is_dir():
+        raise InputError(f"model folder {root} has no {name}/ component, which family {spec.name} needs")
+    return sorted(p for p in folder.rglob("*") if p.is_file())
+
+
 def encoder_identity(cfg: RunConfig, spec: FamilySpec) -> dict:
     """What identifies the encoders: family, and each component's file names, sizes and configs.
 
     Weights are identified by name and size (hashing 40 GB of weights per run would cost
     minutes); their config files are hashed in full.
     """
-    root = Path(cfg.model.path)
-    if not root.is_dir():
-        raise InputError(f"model.path {root} is not a directory (expected a diffusers-layout model folder)")
     components = {}
     for name in spec.encoder_components:
-        folder = root / name
-        if not folder.is_dir():
-            raise InputError(f"model folder {root} has no {name}/ component, which family {spec.name} needs")
+        folder = Path(cfg.model.path) / name
         files = {}
-        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        for path in component_files(cfg, spec, name):
             rel = str(path.relative_to(folder))
             if path.suffix in (".json", ".txt", ".model"):
                 files[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
