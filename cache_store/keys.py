@@ -12,8 +12,9 @@ import hashlib
 import json
 import math
 import os
-from pathlib import Path
 from typing import Any, Iterable
+
+from . import digests
 
 KEY_HEX_CHARS = 32  # 128 bits: collisions are out of reach for any realistic dataset
 
@@ -53,21 +54,12 @@ def fingerprint_of(obj: Any) -> str:
     return hashlib.sha256(canonical_json(obj).encode("utf-8")).hexdigest()[:KEY_HEX_CHARS]
 
 
-_file_digests: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256
-
-
 def file_digest(path: str | os.PathLike) -> str:
-    """sha256 of a file's bytes, memoised on (path, size, mtime) so re-runs do not re-read."""
-    p = Path(path)
+    """sha256 of a file's bytes, remembered across runs while the file is unchanged (see digests)."""
     try:
-        st = p.stat()
+        return digests.file_digest(path)
     except OSError as e:
         raise FileNotFoundError(f"entry_key: cannot read file {os.fspath(path)!r}: {e}") from e
-    memo = (str(p.resolve()), st.st_size, st.st_mtime_ns)
-    if memo not in _file_digests:
-        with open(p, "rb") as f:
-            _file_digests[memo] = hashlib.file_digest(f, "sha256").hexdigest()
-    return _file_digests[memo]
 
 
 def entry_key(fields: dict, files: Iterable[str | os.PathLike], settings: dict) -> str:

@@ -14,7 +14,7 @@ import os
 import re
 import time
 import uuid
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -32,6 +32,8 @@ class PartStore:
     """Backend-independent half of a CacheStore; subclasses implement the ``_`` hooks."""
 
     backend = "?"
+    family: str | None = None  # model family the entries were encoded for (from the cache header)
+    commit_guard: Callable[[], None] | None = None  # raises when this writer lost its part's lock
 
     def __init__(self, root: Root, mode: str, fingerprint: str | None, writer: str | None):
         if writer is not None and not WRITER_RE.match(writer):
@@ -152,6 +154,8 @@ class PartStore:
         """Publish every entry (and skip record) put since the last commit, all at once."""
         if not self._pending and not self._pending_skips:
             return
+        if self.commit_guard is not None:
+            self.commit_guard()  # never publish a part whose lock another writer took over
         if self._part is None:  # only skip records: a manifest without data
             self._part = f"{self.writer}-{uuid.uuid4().hex[:12]}"
         else:

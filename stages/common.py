@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from cache_store.digests import file_digest
 from diffsynth_core.data import SampleDataset
 from diffsynth_core.models import FamilySpec
 
@@ -77,21 +77,25 @@ def component_files(cfg: RunConfig, spec: FamilySpec, name: str) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file())
 
 
-def encoder_identity(cfg: RunConfig, spec: FamilySpec) -> dict:
-    """What identifies the encoders: family, and each component's file names, sizes and configs.
+def _file_label(path: Path, folder: Path) -> str:
+    """A file's name within its component (relative path in a folder, else the file name)."""
+    try:
+        return str(path.relative_to(folder))
+    except ValueError:
+        return path.name
 
-    Weights are identified by name and size (hashing 40 GB of weights per run would cost
-    minutes); their config files are hashed in full.
+
+def component_digests(cfg: RunConfig, spec: FamilySpec, name: str) -> dict[str, str]:
+    """sha256 of every file component ``name`` loads from, by name within the component."""
+    folder = Path(cfg.model.path) / name
+    return {_file_label(path, folder): file_digest(path) for path in component_files(cfg, spec, name)}
+
+
+def encoder_identity(cfg: RunConfig, spec: FamilySpec) -> dict:
+    """What identifies the encoders: the family, and the content of every file they load from.
+
+    Digests are remembered per file (path, size, mtime, inode) across runs, so only the first
+    run on a machine reads the weights in full; a same-size edit still changes the identity.
     """
-    components = {}
-    for name in spec.encoder_components:
-        folder = Path(cfg.model.path) / name
-        files = {}
-        for path in component_files(cfg, spec, name):
-            rel = str(path.relative_to(folder))
-            if path.suffix in (".json", ".txt", ".model"):
-                files[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
-            else:
-                files[rel] = path.stat().st_size
-        components[name] = files
+    components = {name: component_digests(cfg, spec, name) for name in spec.encoder_components}
     return {"family": spec.name, "components": components}

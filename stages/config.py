@@ -8,15 +8,22 @@ and DiffSynth-Studio flag names, and is saved beside every output as ``config.to
 from __future__ import annotations
 
 import json
+import logging
+import os
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 import tomli_w
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from diffsynth_core.errors import InputError
+from diffsynth_core.training.optimizers import split_name as _optimizer_name
+
+from .secrets import literal_secrets
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(InputError):
@@ -105,6 +112,12 @@ class TrainSection(_Section):
     validation_steps: int = Field(0, ge=0)  # 0: no validation images
     validation_inference_steps: int = Field(20, ge=1)
 
+    @field_validator("optimizer")
+    @classmethod
+    def _optimizer_is_allowed(cls, value: str) -> str:
+        _optimizer_name(value)  # a name from the allow-list, never an import path to follow
+        return value
+
 
 class OffloadSection(_Section):
     enable_model_cpu_offload: bool = False
@@ -145,11 +158,22 @@ class RunConfig(_Section):
         return tomli_w.dumps(self.model_dump(mode="json", exclude_none=True))
 
     def save(self, path: Path | str) -> Path:
-        """Write the resolved config atomically (temp file + rename)."""
+        """Write the resolved config atomically (temp file + rename), readable by its owner only.
+
+        ``cache.storage_options`` is written as given: references (``${ENV}``, ``prefect-secret:``)
+        stay references; a literal credential is kept (a saved config must rerun) but warned about.
+        """
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        literal = literal_secrets(self.cache.storage_options, "cache.storage_options")
+        if literal:
+            log.warning("%s holds a literal credential in %s; write a reference such as "
+                        "\"${AWS_SECRET_ACCESS_KEY}\" instead so no secret is stored on disk", path, ", ".join(literal))
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(self.to_toml())
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            os.fchmod(handle.fileno(), 0o600)  # also when a stale temp file had another mode
+            handle.write(self.to_toml())
         tmp.replace(path)
         return path
 

@@ -2,7 +2,8 @@
 
 ``run(cfg, part)`` encodes the rows of one part (row index modulo ``preprocess.parts``), or
 every row when ``part`` is None, skipping entries the cache already holds; ``finalize``
-records which keys the current dataset needs, so training never sees stale entries.  A
+reports whether the cache now holds every row this config needs (``stages.keys``: the
+config, not the cache, says which).  One writer per part (a lock in the cache names it); a
 killed run loses at most the entries since its last commit, and re-running resumes.
 """
 
@@ -14,13 +15,15 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from cache_store import entry_key, fingerprint_of, open_cache
-from diffsynth_core.data import SampleDataset
-from diffsynth_core.models import FamilySpec, get_family
+from cache_store import open_cache
+from diffsynth_core.models import FamilySpec
 from diffsynth_core.training.device import avoid_broken_kernels
 
-from .common import encoder_identity, model_dtype, open_dataset, resolve_device
+from .common import model_dtype, resolve_device
 from .config import RunConfig
+from .keys import Plan, make_plan, needs
+from .locks import cache_part_lock
+from .secrets import storage_options
 from diffsynth_core.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -49,36 +52,9 @@ class CacheSummary:
         return text + f" in {self.seconds:.1f}s -> {self.url}"
 
 
-@dataclass
-class Plan:
-    spec: FamilySpec
-    dataset: SampleDataset
-    keys: dict[int, str]  # row -> content key, for the rows this plan covers, in row order
-    fingerprint: str      # identity of the encoders
-
-
-def make_plan(cfg: RunConfig, part: int | None = None) -> Plan:
-    """Key rows by content: their fields and file bytes, the decode settings, the encoders.
-
-    With ``part`` only that part's rows are keyed: hashing file bytes reads the whole part, so
-    each writer reads its own rows and not the dataset.
-    """
-    spec = get_family(cfg.model.family)
-    dataset = open_dataset(cfg, spec)
-    identity = encoder_identity(cfg, spec)
-    encoding = {"max_sequence_length": cfg.preprocess.max_sequence_length, "dtype": cfg.model.dtype,
-                "encoders": identity}
-    rows = range(len(dataset.records))
-    if part is not None:
-        rows = rows[part::cfg.preprocess.parts]
-    keys = {row: entry_key(dataset.records[row], dataset.source_files(row),
-                           {**dataset.key_settings(row), **encoding}) for row in rows}
-    return Plan(spec, dataset, keys, fingerprint_of(identity))
-
-
 def _open_store(cfg: RunConfig, plan: Plan, writer: str | None):
     return open_cache(cfg.cache_url, mode="a", backend=cfg.cache.backend, fingerprint=plan.fingerprint,
-                      writer=writer, storage_options=cfg.cache.storage_options or None)
+                      family=plan.spec.name, writer=writer, storage_options=storage_options(cfg.cache))
 
 
 def _unique_rows(plan: Plan) -> list[int]:
@@ -121,13 +97,20 @@ def _load_encoders(cfg: RunConfig, spec: FamilySpec, device: torch.device):
 
 
 def run(cfg: RunConfig, part: int | None = None) -> CacheSummary:
-    started = time.perf_counter()
     parts = cfg.preprocess.parts
     if part is not None and not 0 <= part < parts:
         raise InputError(f"part {part} out of range: preprocess.parts = {parts}")
-    plan = make_plan(cfg, part)
     writer = "all" if part is None else f"part-{part}-of-{parts}"
+    with cache_part_lock(cfg, writer) as lock:  # one writer per part: a second is refused, naming the first
+        return _run_part(cfg, part, writer, lock)
+
+
+def _run_part(cfg: RunConfig, part: int | None, writer: str, lock) -> CacheSummary:
+    started = time.perf_counter()
+    parts = cfg.preprocess.parts
+    plan = make_plan(cfg, part)
     store = _open_store(cfg, plan, writer)
+    store.commit_guard = lock.verify
     rows = _unique_rows(plan)
     todo = [row for row in rows if not store.has(plan.keys[row])]
     summary = CacheSummary(store.url, part, parts, len(rows), 0, len(rows) - len(todo))
@@ -172,19 +155,14 @@ def _encode_rows(cfg: RunConfig, plan: Plan, store, rows: list[int]) -> tuple[in
 
 
 def finalize(cfg: RunConfig, skipped: list[dict] = (), plan: Plan | None = None) -> CacheSummary:
-    """Record the keys the current dataset trains on (bad rows that were skipped excluded).
+    """Whether the cache holds every row this config trains on (bad rows skipped excluded).
 
-    Skipped rows are read from the cache (every writer records them there), so no result
-    needs to travel from the parts to here; ``skipped`` adds rows known only to the caller.
+    Nothing is recorded: training derives the same answer from its config (``stages.keys``).
+    Skipped rows are read from the cache (every writer records them there), so no result needs
+    to travel from the parts to here; ``skipped`` adds rows known only to the caller.
     """
     plan = plan or make_plan(cfg)
     store = _open_store(cfg, plan, writer=None)
-    wanted = set(plan.keys.values())
-    recorded = store.skipped() if cfg.dataset.skip_bad_samples else {}
-    by_key = {item["key"]: dict(item) for item in skipped}
-    by_key.update({k: {"key": k, **v} for k, v in recorded.items() if k in wanted and k not in by_key})
-    skipped, skipped_keys = list(by_key.values()), set(by_key)
-    store.set_dataset_keys([k for k in dict.fromkeys(plan.keys.values()) if k not in skipped_keys])
-    missing = store.missing_keys()
-    return CacheSummary(store.url, None, cfg.preprocess.parts, len(plan.keys), 0, len(plan.keys) - len(missing),
-                        list(skipped), complete=not missing)
+    found = needs(plan, store, cfg.dataset.skip_bad_samples, list(skipped))
+    return CacheSummary(store.url, None, cfg.preprocess.parts, found.rows, 0, len(found.train),
+                        found.skipped, complete=found.complete)

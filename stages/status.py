@@ -5,22 +5,25 @@ from __future__ import annotations
 from pathlib import Path
 
 from cache_store import CacheFormatError, open_cache
+from diffsynth_core.errors import InputError
 from diffsynth_core.training.checkpoint import CheckpointManager
 
 from .config import RunConfig
+from .keys import completeness
+from .secrets import storage_options
 
 
 def _cache_status(cfg: RunConfig) -> dict:
+    """Whether the cache holds every row *this* config trains on (derived from the config)."""
+    unknown = {"url": cfg.cache_url, "expected": None, "present": 0, "complete": False}
     try:
-        store = open_cache(cfg.cache_url, mode="r", storage_options=cfg.cache.storage_options or None)
+        store = open_cache(cfg.cache_url, mode="r", storage_options=storage_options(cfg.cache))
     except (FileNotFoundError, CacheFormatError) as err:  # not written yet, or not a cache
-        return {"url": cfg.cache_url, "exists": False, "expected": None, "present": 0, "complete": False,
-                "note": str(err)}
-    expected = store.dataset_keys()
-    present = len(store.keys())
-    missing = len(store.missing_keys()) if expected is not None else None
-    return {"url": cfg.cache_url, "exists": True, "expected": len(expected) if expected is not None else None,
-            "present": present, "missing": missing, "complete": expected is not None and missing == 0}
+        return {**unknown, "exists": False, "note": str(err)}
+    try:
+        return {"url": cfg.cache_url, "exists": True, **completeness(cfg, store)}
+    except InputError as err:  # other encoders, or the config's dataset/model cannot be read
+        return {**unknown, "exists": True, "note": str(err)}
 
 
 def _train_status(cfg: RunConfig) -> dict:

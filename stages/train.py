@@ -1,7 +1,9 @@
 """Stage 2: train the DiT (LoRA or full) from the cache, resuming from the last checkpoint.
 
-Only the transformer is loaded; prompts and pixels come from the cache.  Runtime settings
-(checkpointing, offload, device) come from this run's config, never from the cache.
+Only the transformer is loaded; prompts and pixels come from the cache.  Which entries to
+train on comes from this run's config (``stages.keys``), and so do the runtime settings
+(checkpointing, offload, device), never from the cache.  One training per output folder (a
+lock names the holder); checkpoints record the base model they were trained on.
 """
 
 from __future__ import annotations
@@ -15,14 +17,17 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from cache_store import open_cache
 from diffsynth_core.models import FamilySpec, get_family
+from diffsynth_core.training.checkpoint import CheckpointManager
 from diffsynth_core.training.device import avoid_broken_kernels
 from diffsynth_core.training.lora import lora_state_dict
 from diffsynth_core.training.loop import Trainer
 
 from .common import init_distributed, is_main_process, model_dtype, resolve_device
 from .config import RunConfig
+from .identity import METADATA_KEY, base_model, check_resume_base
+from .keys import training_keys
+from .locks import output_lock
 from .validation import ValidationRenderer
 
 log = logging.getLogger(__name__)
@@ -83,15 +88,22 @@ def _export(spec: FamilySpec, result, output: Path) -> dict[str, str]:
 
 
 def run(cfg: RunConfig) -> TrainSummary:
+    with output_lock(cfg):  # one training per output folder: a second is refused, naming the first
+        return _train(cfg)
+
+
+def _train(cfg: RunConfig) -> TrainSummary:
     started = time.perf_counter()
     spec = get_family(cfg.model.family)
-    store = open_cache(cfg.cache_url, mode="r", storage_options=cfg.cache.storage_options or None)
-    keys = store.require_complete(allow_partial=cfg.cache.allow_partial)
+    store, keys = training_keys(cfg)  # checked against the model, derived from the config
     device = init_distributed(avoid_broken_kernels(resolve_device(cfg.train.device)))
     output = cfg.output_dir
+    base = None
     if is_main_process():
         output.mkdir(parents=True, exist_ok=True)
         cfg.save(output / "config.toml")
+        base = base_model(cfg, spec)
+        check_resume_base(CheckpointManager(output / "checkpoints"), base)
     transformer = load_transformer(cfg, spec)
     samples = CachedSamples(store, keys)
     callbacks = []
@@ -99,7 +111,8 @@ def run(cfg: RunConfig) -> TrainSummary:
         meta = samples[0]["meta"]
         callbacks.append(ValidationRenderer(cfg, spec, (meta["height"], meta["width"]), meta.get("num_frames", 1)))
     trainer = Trainer(spec, transformer, samples, cfg.train, cfg.offload, output,
-                      device=device, repeat=cfg.dataset.repeat, callbacks=callbacks)
+                      device=device, repeat=cfg.dataset.repeat, callbacks=callbacks,
+                      checkpoint_metadata={METADATA_KEY: base} if base else None)
     result = trainer.fit()
     exports = _export(spec, result, output) if trainer.rank == 0 else {}
     summary = TrainSummary(str(output), result.step, result.resumed_from,

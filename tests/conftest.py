@@ -12,6 +12,8 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="splitflow-prefect-"))
+# the digest memo of the run, not the user's ~/.cache/splitflow
+os.environ.setdefault("SPLITFLOW_CACHE_DIR", tempfile.mkdtemp(prefix="splitflow-cache-"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

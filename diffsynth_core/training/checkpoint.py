@@ -81,6 +81,14 @@ class CheckpointManager:
             raise InputError(f"checkpoint pointer {pointer} names {path}, which is incomplete")
         return path
 
+    def latest_metadata(self) -> dict[str, Any] | None:
+        """The metadata saved with the newest complete checkpoint (no tensor is read), or None."""
+        path = self.latest_dir()
+        if path is None:
+            return None
+        with safe_open(str(path / "trainable.safetensors"), framework="pt") as handle:
+            return {k: json.loads(v) for k, v in (handle.metadata() or {}).items()}
+
     def load(self) -> dict[str, Any] | None:
         """The newest complete checkpoint as {weights, optimizer, state, metadata}, or None."""
         path = self.latest_dir()

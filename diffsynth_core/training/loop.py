@@ -60,12 +60,14 @@ class Trainer:
 
     def __init__(self, spec: FamilySpec, model: nn.Module, samples: Sequence[Mapping[str, Any]], train, offload,
                  output_dir: Path | str, device: torch.device | str = "cpu", repeat: int = 1, progress: bool = True,
-                 callbacks: Sequence[Callable[[int, nn.Module], None]] = ()):
+                 callbacks: Sequence[Callable[[int, nn.Module], None]] = (),
+                 checkpoint_metadata: Mapping[str, Any] | None = None):
         self.spec, self.model, self.samples = spec, model, samples
         self.train, self.offload_opts = train, offload
         self.output_dir, self.device = Path(output_dir), torch.device(device)
         self.repeat, self.progress = repeat, progress
         self.callbacks = list(callbacks)  # called on rank 0 after each optimizer step: fn(step, model)
+        self.checkpoint_metadata = dict(checkpoint_metadata or {})  # saved with every checkpoint (base model)
         self.rank, self.world_size = _world()
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", keep=train.keep_checkpoints)
 
@@ -163,7 +165,8 @@ class Trainer:
             "python_rng": random.getstate(),
         }
         optimizer_state = {"optimizer": prepared.optimizer.state_dict(), "scheduler": prepared.scheduler.state_dict()}
-        metadata = {"lora_config": prepared.lora_config, "family": self.spec.name, "step": step}
+        metadata = {**self.checkpoint_metadata, "lora_config": prepared.lora_config, "family": self.spec.name,
+                    "step": step}
         path = self.checkpoints.save(step, dict(prepared.trainable), optimizer_state, state, metadata)
         log.info("checkpoint written: %s", path)
 

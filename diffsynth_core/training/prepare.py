@@ -17,7 +17,6 @@ Options come from ``train`` and ``offload`` sections (any objects with the attri
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +24,7 @@ import torch
 from torch import nn
 
 from ..models.base import FamilySpec
+from . import optimizers
 from .lora import fuse_lora_file, inject_lora
 from ..errors import InputError
 
@@ -41,16 +41,13 @@ class Prepared:
 
 def build_optimizer(class_path: str, params, learning_rate: float, weight_decay: float,
                     on_host: bool = False) -> torch.optim.Optimizer:
-    """Instantiate ``module.Class`` (default torch.optim.AdamW) over ``params``.
+    """Instantiate the allowed optimizer ``class_path`` (default torch.optim.AdamW) over ``params``.
 
+    Only torch.optim classes and the packages listed in ``optimizers.PACKAGES`` can be named.
     ``on_host``: the parameters step on the CPU (optimizer offload), where torch's fused
     Adam/AdamW kernel is several times faster than the default for-each one.
     """
-    module_name, _, class_name = class_path.rpartition(".")
-    try:
-        optimizer_class = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError, ValueError) as err:
-        raise InputError(f"train.optimizer: cannot import {class_path!r} ({err})") from None
+    optimizer_class = optimizers.optimizer_class(class_path)
     extra = {"fused": True} if on_host and optimizer_class in (torch.optim.Adam, torch.optim.AdamW) else {}
     return optimizer_class(params, lr=learning_rate, weight_decay=weight_decay, **extra)
 

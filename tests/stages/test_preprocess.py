@@ -11,6 +11,7 @@ import torch
 from cache_store import IncompleteCacheError, open_cache
 from diffsynth_core.data import DatasetError
 from stages import preprocess
+from stages.keys import training_keys
 
 
 def _rewrite_metadata(cfg, edit):
@@ -56,8 +57,7 @@ def test_removed_rows_are_not_trained_on(make_config):
     _rewrite_metadata(cfg, lambda rows: rows[:10])
     summary = preprocess.run(cfg)
     assert summary.encoded == 0 and summary.complete
-    store = open_cache(cfg.cache_url, mode="r")
-    assert len(store.require_complete()) == 10 and len(store.keys()) == 16
+    assert len(training_keys(cfg)[1]) == 10 and len(open_cache(cfg.cache_url, mode="r").keys()) == 16
 
 
 def test_parts_fill_one_cache_and_changing_the_part_count_reencodes_nothing(make_config):
@@ -71,9 +71,9 @@ def test_parts_fill_one_cache_and_changing_the_part_count_reencodes_nothing(make
 def test_training_refuses_an_incomplete_cache_with_the_missing_count(make_config):
     cfg = make_config("preprocess.parts=2")
     preprocess.run(cfg, 0)
-    preprocess.finalize(cfg)
+    assert not preprocess.finalize(cfg).complete
     with pytest.raises(IncompleteCacheError, match="8 of 16"):
-        open_cache(cfg.cache_url, mode="r").require_complete()
+        training_keys(cfg)
 
 
 def test_missing_image_is_an_error_naming_file_and_row_and_nothing_written_is_lost(make_config):
@@ -109,15 +109,17 @@ def test_skipped_rows_are_recorded_in_the_cache_so_a_separate_finalize_completes
     assert record["row"] == 16 and record["file"].endswith("broken.png") and record["reason"]
     final = preprocess.finalize(cfg)  # no skipped list handed over
     assert final.complete and [item["row"] for item in final.skipped] == [16]
-    assert key not in open_cache(cfg.cache_url, mode="r").dataset_keys()
+    assert key not in training_keys(cfg)[1] and len(training_keys(cfg)[1]) == 16
     strict = cfg.model_copy(update={"dataset": cfg.dataset.model_copy(update={"skip_bad_samples": False})})
     assert not preprocess.finalize(strict).complete  # skip off again: the bad row is missing, not silently dropped
-    assert open_cache(cfg.cache_url, mode="r").missing_keys() == [key]
+    with pytest.raises(IncompleteCacheError, match="1 of 17 .*data row 17.*skipped as bad"):
+        training_keys(strict)
 
 
 KILLABLE = """
 import sys, time
 from stages import preprocess
+from stages.keys import training_keys
 from stages.demo import demo_config
 import diffsynth_core.models.qwen_image as family
 encode = family.SPEC.encode_pixels
@@ -161,8 +163,8 @@ def test_changing_max_pixels_reencodes_only_the_images_it_resizes(make_config):
     preprocess.run(make_config())
     changed = preprocess.run(make_config("dataset.max_pixels=10000"))
     assert (changed.encoded, changed.reused) == (8, 8)
-    store = open_cache(make_config().cache_url, mode="r")
-    shrunk = [store.get(k)["meta"] for k in store.require_complete()]
+    store, keys = training_keys(make_config("dataset.max_pixels=10000"))
+    shrunk = [store.get(k)["meta"] for k in keys]
     assert {(m["height"], m["width"]) for m in shrunk} == {(96, 96), (80, 112)}
 
 

@@ -1,0 +1,68 @@
+"""Which optimizers ``train.optimizer`` may name: torch.optim, and a short list of known packages.
+
+The config names a class; it is never an import path to follow.  A name is looked up in
+``torch.optim`` or in :data:`PACKAGES` (package module -> its optimizer classes), so no config
+can make splitflow import an arbitrary module or call an arbitrary function.  Imports torch
+only when an optimizer is built, so the config can check names cheaply.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ..errors import InputError
+
+# Optimizer packages users train diffusion LoRAs with (names as each package exports them).
+PACKAGES: dict[str, tuple[str, ...]] = {
+    "bitsandbytes.optim": ("AdamW8bit", "Adam8bit", "PagedAdamW8bit", "PagedAdamW", "PagedAdamW32bit",
+                           "AdamW32bit", "Lion8bit", "PagedLion8bit", "Lion", "SGD8bit", "AdEMAMix8bit"),
+    "prodigyopt": ("Prodigy",),
+    "came_pytorch": ("CAME",),
+}
+PIP_NAMES = {"bitsandbytes.optim": "bitsandbytes", "prodigyopt": "prodigyopt", "came_pytorch": "came-pytorch"}
+TORCH = "torch.optim"
+
+
+def _torch_optimizers() -> list[str]:
+    import torch
+
+    return sorted(name for name in dir(torch.optim) if not name.startswith("_")
+                  and isinstance(getattr(torch.optim, name), type)
+                  and issubclass(getattr(torch.optim, name), torch.optim.Optimizer)
+                  and getattr(torch.optim, name) is not torch.optim.Optimizer)
+
+
+def allowed_names() -> list[str]:
+    return [f"{TORCH}.{n}" for n in _torch_optimizers()] + [f"{m}.{c}" for m, cs in PACKAGES.items() for c in cs]
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """``"AdamW"`` / ``"torch.optim.AdamW"`` / ``"prodigyopt.Prodigy"`` -> (module, class); refuses the rest."""
+    module, _, cls = name.rpartition(".")
+    module = module or TORCH
+    if module == TORCH or cls in PACKAGES.get(module, ()):
+        return module, cls
+    listed = ", ".join(f"{m}.{{{','.join(cs)}}}" for m, cs in PACKAGES.items())
+    raise InputError(f"train.optimizer = {name!r} is not allowed: use a torch.optim class (e.g. "
+                     f"torch.optim.AdamW) or one of {listed}")
+
+
+def optimizer_class(name: str) -> Any:
+    """The class ``name`` denotes, imported only from the allow-list."""
+    module, cls = split_name(name)
+    if module == TORCH:
+        if cls not in _torch_optimizers():
+            raise InputError(f"train.optimizer = {name!r}: torch.optim has no optimizer {cls!r}; "
+                             f"allowed: {', '.join(_torch_optimizers())}")
+        import torch
+
+        return getattr(torch.optim, cls)
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except ImportError as err:
+        raise InputError(f"train.optimizer = {name!r} needs the package {PIP_NAMES[module]!r}, which is not "
+                         f"installed here ({err}); pip install {PIP_NAMES[module]}") from None
+    except AttributeError:
+        raise InputError(f"train.optimizer = {name!r}: the installed {module} has no {cls}; "
+                         "upgrade the package or choose another optimizer") from None

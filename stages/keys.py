@@ -1,0 +1,165 @@
+"""Which cache entries a config needs: derived from its own dataset and settings, never from the cache.
+
+Each row is keyed by content (its fields, its files' bytes, the decode settings, the encoders'
+identity).  A config trains on its rows' keys in row order: identical rows stay repeats of one
+entry (users duplicate rows to up-weight them), and rows that preprocessing skipped as bad are
+left out only when ``dataset.skip_bad_samples`` is on, the rule preprocessing used.  So
+configs sharing a cache each train on exactly their entries, and a partial cache or an edited
+metadata file is caught before any training step.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+
+from cache_store import IncompleteCacheError, entry_key, fingerprint_of, open_cache
+from cache_store.opener import check_identity
+from diffsynth_core.data import SampleDataset
+from diffsynth_core.models import FamilySpec, get_family
+
+from .common import encoder_identity, open_dataset
+from .config import RunConfig
+from .secrets import storage_options
+
+log = logging.getLogger(__name__)
+_ENCODER_FINGERPRINT = re.compile(r"^[0-9a-f]{32}$")  # what fingerprint_of gives; imports name their origin
+
+
+@dataclass
+class Plan:
+    spec: FamilySpec
+    dataset: SampleDataset
+    keys: dict[int, str]  # row -> content key, for the rows this plan covers, in row order
+    fingerprint: str      # identity of the encoders
+
+
+def make_plan(cfg: RunConfig, part: int | None = None) -> Plan:
+    """Key rows by content: their fields and file bytes, the decode settings, the encoders.
+
+    With ``part`` only that part's rows are keyed: hashing file bytes reads the whole part, so
+    each writer reads its own rows and not the dataset.  (File digests are remembered across
+    runs, so keying a dataset again costs a stat per file.)
+    """
+    spec = get_family(cfg.model.family)
+    dataset = open_dataset(cfg, spec)
+    identity = encoder_identity(cfg, spec)
+    encoding = {"max_sequence_length": cfg.preprocess.max_sequence_length, "dtype": cfg.model.dtype,
+                "encoders": identity}
+    rows = range(len(dataset.records))
+    if part is not None:
+        rows = rows[part::cfg.preprocess.parts]
+    keys = {row: entry_key(dataset.records[row], dataset.source_files(row),
+                           {**dataset.key_settings(row), **encoding}) for row in rows}
+    return Plan(spec, dataset, keys, fingerprint_of(identity))
+
+
+@dataclass
+class Needs:
+    """What a config needs from a cache, row by row."""
+
+    train: list[str] = field(default_factory=list)         # keys to train on, row order, repeats kept
+    missing: dict[int, str] = field(default_factory=dict)  # row -> key without an entry
+    skipped: list[dict] = field(default_factory=list)      # bad rows left out (skip on), one per key
+    rows: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing
+
+
+def needs(plan: Plan, store, skip_bad_samples: bool, known_skips: list[dict] = ()) -> Needs:
+    """Sort the plan's rows into present, skipped as bad (only when skipping is on) and missing.
+
+    ``known_skips``: skip records the caller holds besides those committed in the cache.
+    """
+    recorded = {item["key"]: dict(item) for item in known_skips}
+    recorded.update({k: {"key": k, **v} for k, v in store.skipped().items() if k not in recorded})
+    result = Needs(rows=len(plan.keys))
+    skipped: dict[str, dict] = {}
+    for row, key in plan.keys.items():
+        if store.has(key):
+            result.train.append(key)
+        elif skip_bad_samples and key in recorded:
+            skipped.setdefault(key, recorded[key])
+        else:
+            result.missing[row] = key
+    result.skipped = list(skipped.values())
+    return result
+
+
+def _missing_message(url: str, plan: Plan, found: Needs, store, skip_bad_samples: bool) -> str:
+    row, key = next(iter(found.missing.items()))
+    text = (f"cache {url}: {len(found.missing)} of {found.rows} rows this config trains on are missing "
+            f"(first: data row {row + 1} of {plan.dataset.metadata_path}, key {key})")
+    bad = store.skipped().get(key)
+    if bad and not skip_bad_samples:
+        text += (f"; that row was skipped as bad by preprocess ({bad.get('reason')}): fix it, or set "
+                 "dataset.skip_bad_samples = true")
+    else:
+        text += "; run `splitflow preprocess CONFIG` (every part), or set cache.allow_partial = true"
+    if store.bad_parts:
+        text += f" ({len(store.bad_parts)} unreadable manifests: run `splitflow cache verify`)"
+    return text
+
+
+def is_imported(store) -> bool:
+    """An imported cache (e.g. from DiffSynth) names its origin instead of an encoder fingerprint."""
+    return store.fingerprint is not None and not _ENCODER_FINGERPRINT.match(store.fingerprint)
+
+
+def _open(cfg: RunConfig):
+    return open_cache(cfg.cache_url, mode="r", storage_options=storage_options(cfg.cache))
+
+
+def check_cache(cfg: RunConfig, store) -> Plan | None:
+    """Check ``store`` was encoded by this config's model; return the plan (None: imported cache).
+
+    Refuses (exit code 2, naming both sides) a cache of another family or other encoder weights.
+    Imported caches carry no encoder identity: only their family (if recorded) can be checked.
+    """
+    check_identity(store.url, (store.fingerprint, store.family), None, cfg.model.family)  # cheap: first
+    if is_imported(store):
+        return None
+    plan = make_plan(cfg)
+    check_identity(store.url, (store.fingerprint, store.family), plan.fingerprint, plan.spec.name)
+    return plan
+
+
+def training_keys(cfg: RunConfig) -> tuple[object, list[str]]:
+    """The checked cache and the keys to train on; refuses a cache lacking rows of this config.
+
+    A partial cache is accepted with ``cache.allow_partial`` (a warning says how partial).
+    """
+    store = _open(cfg)
+    plan = check_cache(cfg, store)
+    if plan is None:
+        log.warning("cache %s was imported (%s): its encoders cannot be checked against %s; training on "
+                    "the keys recorded at import", store.url, store.fingerprint, cfg.model.path)
+        return store, store.require_complete(allow_partial=cfg.cache.allow_partial)
+    found = needs(plan, store, cfg.dataset.skip_bad_samples)
+    if found.missing and not cfg.cache.allow_partial:
+        raise IncompleteCacheError(_missing_message(store.url, plan, found, store, cfg.dataset.skip_bad_samples))
+    if found.missing:
+        log.warning("cache.allow_partial: training on %d of %d rows (%d have no entry)",
+                    len(found.train), found.rows, len(found.missing))
+    if not found.train:
+        raise IncompleteCacheError(f"cache {store.url} holds none of the {found.rows} rows this config "
+                                   "trains on; run `splitflow preprocess CONFIG`")
+    return store, found.train
+
+
+def completeness(cfg: RunConfig, store) -> dict:
+    """How complete ``store`` is for this config, in rows (what ``splitflow status`` shows).
+
+    Raises like ``check_cache`` when the cache does not fit the config's model.
+    """
+    plan = check_cache(cfg, store)
+    if plan is None:
+        wanted, missing = store.dataset_keys() or store.keys(), store.missing_keys()
+        return {"expected": len(wanted), "present": len(wanted) - len(missing), "missing": len(missing),
+                "skipped": 0, "complete": not missing}
+    found = needs(plan, store, cfg.dataset.skip_bad_samples)
+    return {"expected": len(found.train) + len(found.missing), "present": len(found.train),
+            "missing": len(found.missing), "skipped": len(found.skipped), "complete": found.complete}

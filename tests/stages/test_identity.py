@@ -1,0 +1,88 @@
+"""Identity: a cache and a checkpoint are used only with the model weights they were made with."""
+
+from __future__ import annotations
+
+import csv
+import shutil
+
+import pytest
+
+from cache_store import CacheFormatError, fingerprint_of
+from diffsynth_core.errors import InputError
+from diffsynth_core.models import get_family
+from stages import preprocess, train
+from stages.common import encoder_identity
+from stages.identity import METADATA_KEY, base_model
+
+
+def keep_rows(cfg, count: int) -> None:
+    """Cut the demo metadata to its first ``count`` rows (tests stay fast)."""
+    with open(cfg.dataset.metadata_path, newline="") as handle:
+        rows = list(csv.DictReader(handle))[:count]
+    with open(cfg.dataset.metadata_path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["image", "prompt"])
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def edit_in_place(path) -> None:
+    """A same-size edit of a weights file (as fine-tuning and saving over it does): one mantissa bit."""
+    data = bytearray(path.read_bytes())
+    data[-4] ^= 1
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def own_model(demo_assets, tmp_path):
+    """A private copy of the tiny model, which a test may edit."""
+    return shutil.copytree(demo_assets / "model", tmp_path / "model")
+
+
+def test_a_same_size_encoder_edit_changes_the_fingerprint_and_the_cache_refuses_it(make_config, own_model):
+    cfg = make_config(f"model.path={own_model}")
+    keep_rows(cfg, 2)
+    spec = get_family(cfg.model.family)
+    fingerprint = fingerprint_of(encoder_identity(cfg, spec))
+    assert fingerprint_of(encoder_identity(cfg, spec)) == fingerprint  # same files, same identity
+    assert preprocess.run(cfg).encoded == 2
+
+    weights = own_model / "text_encoder" / "model.safetensors"
+    size = weights.stat().st_size
+    edit_in_place(weights)
+    assert weights.stat().st_size == size
+    edited = fingerprint_of(encoder_identity(cfg, spec))
+    assert edited != fingerprint
+    both = f"'{fingerprint}'.*'{edited}'"
+    with pytest.raises(CacheFormatError, match=both):  # no "0 encoded, 2 already cached"
+        preprocess.run(cfg)
+    with pytest.raises(CacheFormatError, match=both):
+        train.run(cfg)
+    assert not (cfg.output_dir / "checkpoints").exists()
+
+
+def test_train_refuses_a_cache_encoded_for_another_family_naming_both(make_config, tmp_path):
+    cfg = make_config()
+    keep_rows(cfg, 2)
+    preprocess.run(cfg)
+    other = make_config("model.family=flux", f"model.path={tmp_path / 'no-flux-model-needed'}")
+    with pytest.raises(CacheFormatError, match="family 'qwen_image'.*family 'flux'"):
+        train.run(other)
+    assert not (other.output_dir / "checkpoints").exists()
+
+
+def test_resume_refuses_a_checkpoint_trained_on_another_base_model(make_config, own_model):
+    cfg = make_config(f"model.path={own_model}", "train.max_steps=1")
+    keep_rows(cfg, 2)
+    preprocess.run(cfg)
+    train.run(cfg)
+    spec = get_family(cfg.model.family)
+    trained_on = base_model(cfg, spec)
+    saved = train.CheckpointManager(cfg.output_dir / "checkpoints").latest_metadata()
+    assert saved[METADATA_KEY] == trained_on
+
+    edit_in_place(own_model / "transformer" / "diffusion_pytorch_model.safetensors")
+    other_base = base_model(cfg, spec)["fingerprint"]
+    assert other_base != trained_on["fingerprint"]
+    longer = make_config(f"model.path={own_model}", "train.max_steps=2")
+    with pytest.raises(InputError, match=f"{trained_on['fingerprint']}.*{other_base}"):
+        train.run(longer)
