@@ -1,0 +1,47 @@
+"""train.optimizer names a class from an allow-list; no config can import or call anything else."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+
+from diffsynth_core.errors import InputError
+from diffsynth_core.training.optimizers import PACKAGES
+from diffsynth_core.training.prepare import build_optimizer
+from stages.config import ConfigError, build_config
+
+
+def _params():
+    return [torch.nn.Parameter(torch.zeros(3))]
+
+
+@pytest.mark.parametrize("name", ["os.system", "builtins.eval", "subprocess.Popen", "antigravity.fly",
+                                  "torch.optim.swa_utils.AveragedModel", "prodigyopt.evil"])
+def test_a_name_outside_the_allow_list_is_refused_at_config_time_without_importing_it(name):
+    before = set(sys.modules)
+    with pytest.raises(ConfigError, match=r"train.optimizer: .*is not allowed: use a torch.optim class.*prodigyopt"):
+        build_config({"train": {"optimizer": name}})
+    assert not {"antigravity", "prodigyopt"} & (set(sys.modules) - before)
+    with pytest.raises(InputError, match="is not allowed"):
+        build_optimizer(name, _params(), 1e-3, 0.0)
+
+
+def test_torch_optimizers_by_short_or_full_name_build():
+    assert type(build_optimizer("SGD", _params(), 1e-3, 0.0)) is torch.optim.SGD
+    assert type(build_optimizer("torch.optim.AdamW", _params(), 1e-3, 0.0)) is torch.optim.AdamW
+    with pytest.raises(InputError, match="torch.optim has no optimizer 'lr_scheduler'; allowed: .*AdamW"):
+        build_optimizer("torch.optim.lr_scheduler", _params(), 1e-3, 0.0)
+
+
+def test_a_listed_package_that_is_not_installed_says_what_to_install():
+    missing = [m for m in PACKAGES if importlib.util.find_spec(m.split(".")[0]) is None]
+    if not missing:
+        pytest.skip("every listed optimizer package is installed here")
+    module = missing[0]
+    name = f"{module}.{PACKAGES[module][0]}"
+    build_config({"train": {"optimizer": name}})  # allowed by name
+    with pytest.raises(InputError, match=f"needs the package .*pip install"):
+        build_optimizer(name, _params(), 1e-3, 0.0)
