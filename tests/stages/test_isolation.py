@@ -74,3 +74,18 @@ def test_identical_rows_are_one_entry_trained_on_as_often_as_listed(make_config)
     _, keys = training_keys(cfg)
     assert len(keys) == 4 and keys[0] == keys[1] == keys[3] != keys[2]
     assert run_status(cfg)["cache"]["expected"] == 4
+
+
+def test_an_imported_cache_trains_on_the_keys_recorded_at_import(make_config, tmp_path):
+    """A DiffSynth import names its origin instead of an encoder fingerprint: nothing to derive keys from."""
+    from tests.cache_store.samples import key_of, make_entry
+
+    url = tmp_path / "imported.zarr"
+    store = open_cache(url, "a", fingerprint="diffsynth-import", writer="diffsynth-import")
+    for i in range(3):
+        store.put(key_of(i), make_entry(i))
+    store.commit()
+    store.set_dataset_keys([key_of(2), key_of(0)])
+    cfg = make_config(f"cache.url={url}", f"model.path={tmp_path / 'only-the-transformer-is-needed'}")
+    assert training_keys(cfg)[1] == [key_of(2), key_of(0)]
+    assert run_status(cfg)["cache"]["complete"]

@@ -43,5 +43,5 @@ def test_a_listed_package_that_is_not_installed_says_what_to_install():
     module = missing[0]
     name = f"{module}.{PACKAGES[module][0]}"
     build_config({"train": {"optimizer": name}})  # allowed by name
-    with pytest.raises(InputError, match=f"needs the package .*pip install"):
+    with pytest.raises(InputError, match="needs the package .*pip install"):
         build_optimizer(name, _params(), 1e-3, 0.0)
