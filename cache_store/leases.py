@@ -136,7 +136,17 @@ class LeaseLock:
             self._thread.join()
         if not self.lost:
             try:
-                self.root.fs.call_s3("delete_object", Bucket=self._bucket, Key=self._key, IfMatch=self._etag)
-            except OSError as err:  # taken over meanwhile, or the network is gone: the lease expires
+                self._delete_own()
+            except OSError as err:  # the network is gone: the lease expires by itself
                 log.warning("could not release lock %s: %s", self.where, err)
         self._record = None
+
+    def _delete_own(self) -> None:
+        try:
+            self.root.fs.call_s3("delete_object", Bucket=self._bucket, Key=self._key, IfMatch=self._etag)
+        except OSError as err:
+            if _precondition_failed(err):
+                return  # taken over meanwhile: the lease is someone else's now
+            current = self._get()  # a store without conditional deletes: delete it if still ours
+            if current is not None and current[0] and current[0].get("token") == self._record["token"]:
+                self.root.fs.call_s3("delete_object", Bucket=self._bucket, Key=self._key)
