@@ -51,7 +51,7 @@ def format_inspect(info: dict[str, Any]) -> str:
         if info.get("kind") == "diffsynth":
             lines.append(f"  DiffSynth-Studio split-training cache with {info['files']} .pth files")
         return "\n".join(lines)
-    complete = {True: "complete", False: "INCOMPLETE", None: "unknown (no dataset keys recorded)"}
+    complete = {True: "complete", False: "INCOMPLETE", None: "each config's rows: splitflow status CONFIG"}
     lines = [
         f"cache        {info['url']}",
         f"backend      {info['backend']}",
