@@ -49,6 +49,7 @@ class CacheStore(Protocol):
     def keys(self) -> list[str]: ...                      # committed entries, stable order
     def has(self, key: str) -> bool: ...
     def get(self, key: str) -> Entry: ...
+    def shapes(self, key: str) -> dict[str, tuple[int, ...]]: ...  # tensor shapes, no data read
     def put(self, key: str, entry: Entry) -> None: ...    # buffered until commit()
     def commit(self) -> None: ...                         # atomically publish buffered entries
     def put_skipped(self, key: str, info: dict) -> None: ...  # a bad row skipped (row, file, reason)

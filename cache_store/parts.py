@@ -26,6 +26,9 @@ MANIFESTS = "manifests"
 DATASET_KEYS = "dataset-keys.json"
 WRITER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 PART_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}-[0-9a-f]{12}$")  # <writer>-<random>
+# Keys of auxiliary entries (the empty prompt's embedding for caption dropout): stored, verified and
+# read like any entry, but they are no samples, so keys() leaves them out.
+AUX_PREFIX = "aux."
 
 
 class PartStore:
@@ -104,7 +107,13 @@ class PartStore:
         return manifest
 
     def keys(self) -> list[str]:
-        return list(self._sorted_keys)
+        return [k for k in self._sorted_keys if not k.startswith(AUX_PREFIX)]
+
+    def shapes(self, key: str) -> dict[str, tuple[int, ...]]:
+        """Each tensor's shape in entry ``key``, from the manifest (no data is read)."""
+        if key not in self._index:
+            raise KeyError(f"cache {self.url}: no committed entry {key}")
+        return {name: tuple(spec["shape"]) for name, spec in self._index[key][1]["tensors"].items()}
 
     def has(self, key: str) -> bool:
         return key in self._index or key in self._pending

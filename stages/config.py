@@ -100,17 +100,22 @@ class TrainSection(_Section):
     trainable_models: list[str] = []
     gradient_checkpointing: bool = True
     gradient_checkpointing_offload: bool = False
-    timestep_sampling: Literal["uniform", "logit_normal", "shift", "resolution_shift"] = "uniform"
+    # "auto": the family's default (DiffSynth's schedule for every built-in family); docs/training.md
+    timestep_sampling: Literal["auto", "uniform", "logit_normal", "shift", "resolution_shift", "diffsynth"] = "auto"
     logit_mean: float = 0.0
     logit_std: float = 1.0
     shift: float = Field(3.0, gt=0)
-    loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = "none"
+    loss_weighting: Literal["auto", "none", "sigma_sqrt", "cosmap", "diffsynth"] = "auto"
     device: str = "auto"
     retries: int = Field(1, ge=0)
     tensorboard: bool = False
     validation_prompts: list[str] = []
     validation_steps: int = Field(0, ge=0)  # 0: no validation images
     validation_inference_steps: int = Field(20, ge=1)
+    # Batches, caption dropout, EMA (docs/training.md).
+    drop_last: bool = False  # a bucket's last batch smaller than batch_size: dropped (true) or trained (false)
+    caption_dropout: float = Field(0.0, ge=0, le=1)  # probability of training a sample on the empty prompt
+    ema_decay: float = Field(0.0, ge=0, lt=1)  # 0: no EMA; else e.g. 0.999, exported as lora_ema.safetensors
 
     @field_validator("optimizer")
     @classmethod

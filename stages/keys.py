@@ -14,7 +14,7 @@ import logging
 import re
 from dataclasses import dataclass, field
 
-from cache_store import IncompleteCacheError, entry_key, fingerprint_of, open_cache
+from cache_store import AUX_PREFIX, IncompleteCacheError, entry_key, fingerprint_of, open_cache
 from cache_store.opener import check_identity
 from diffsynth_core.data import SampleDataset
 from diffsynth_core.models import FamilySpec, get_family
@@ -53,6 +53,14 @@ def make_plan(cfg: RunConfig, part: int | None = None) -> Plan:
     keys = {row: entry_key(dataset.records[row], dataset.source_files(row),
                            {**dataset.key_settings(row), **encoding}) for row in rows}
     return Plan(spec, dataset, keys, fingerprint_of(identity))
+
+
+def empty_prompt_key(cfg: RunConfig, encoder_fingerprint: str) -> str:
+    """Cache key of the empty prompt's embedding (caption dropout): one per encoders and prompt settings.
+    An auxiliary entry (``AUX_PREFIX``): stored once per cache, in no config's training keys."""
+    settings = {"empty_prompt": True, "encoders": encoder_fingerprint, "dtype": cfg.model.dtype,
+                "max_sequence_length": cfg.preprocess.max_sequence_length}
+    return f"{AUX_PREFIX}empty-prompt.{fingerprint_of(settings)}"
 
 
 @dataclass

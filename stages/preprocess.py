@@ -21,7 +21,7 @@ from diffsynth_core.training.device import avoid_broken_kernels
 
 from .common import model_dtype, resolve_device
 from .config import RunConfig
-from .keys import Plan, make_plan, needs
+from .keys import Plan, empty_prompt_key, make_plan, needs
 from .locks import cache_part_lock
 from .secrets import storage_options
 from diffsynth_core.errors import InputError
@@ -114,8 +114,9 @@ def _run_part(cfg: RunConfig, part: int | None, writer: str, lock) -> CacheSumma
     rows = _unique_rows(plan)
     todo = [row for row in rows if not store.has(plan.keys[row])]
     summary = CacheSummary(store.url, part, parts, len(rows), 0, len(rows) - len(todo))
-    if todo:
-        summary.encoded, summary.skipped = _encode_rows(cfg, plan, store, todo)
+    empty_missing = part in (None, 0) and not store.has(empty_prompt_key(cfg, plan.fingerprint))  # once per cache
+    if todo or empty_missing:
+        summary.encoded, summary.skipped = _encode_rows(cfg, plan, store, todo, empty_missing)
     if part is None:
         summary.complete = finalize(cfg, summary.skipped, plan=plan).complete
     summary.seconds = time.perf_counter() - started
@@ -123,7 +124,8 @@ def _run_part(cfg: RunConfig, part: int | None, writer: str, lock) -> CacheSumma
     return summary
 
 
-def _encode_rows(cfg: RunConfig, plan: Plan, store, rows: list[int]) -> tuple[int, list[dict]]:
+def _encode_rows(cfg: RunConfig, plan: Plan, store, rows: list[int],
+                 empty_prompt: bool = False) -> tuple[int, list[dict]]:
     from tqdm.auto import tqdm
 
     device = avoid_broken_kernels(resolve_device(cfg.preprocess.device))
@@ -142,6 +144,8 @@ def _encode_rows(cfg: RunConfig, plan: Plan, store, rows: list[int]) -> tuple[in
                 encoded += 1
                 if encoded % cfg.preprocess.commit_every == 0:
                     store.commit()
+            if empty_prompt:
+                _put_empty_prompt(cfg, plan.spec, store, components, device, prompt_options)
         store.commit()
     finally:
         for manager in managers:
@@ -152,6 +156,14 @@ def _encode_rows(cfg: RunConfig, plan: Plan, store, rows: list[int]) -> tuple[in
         store.put_skipped(item["key"], item)  # on disk: finalize and training read it from the cache
     store.commit()
     return encoded, skipped
+
+
+def _put_empty_prompt(cfg: RunConfig, spec: FamilySpec, store, components, device: torch.device,
+                      prompt_options: dict) -> None:
+    """Encode "" once per cache: caption dropout trains samples on it (an auxiliary entry, no sample)."""
+    entry = {k: v.detach().cpu() for k, v in spec.encode_prompt(components, "", str(device), **prompt_options).items()}
+    entry["meta"] = {"prompt": "", "empty_prompt": True}
+    store.put(empty_prompt_key(cfg, store.fingerprint), entry)
 
 
 def finalize(cfg: RunConfig, skipped: list[dict] = (), plan: Plan | None = None) -> CacheSummary:

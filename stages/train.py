@@ -9,6 +9,8 @@ lock names the holder); checkpoints record the base model they were trained on.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,15 +20,17 @@ import torch
 from safetensors.torch import save_file
 
 from diffsynth_core.models import FamilySpec, get_family
+from diffsynth_core.errors import InputError
 from diffsynth_core.training.checkpoint import CheckpointManager
 from diffsynth_core.training.device import avoid_broken_kernels
+from diffsynth_core.training.ema import swapped_weights
 from diffsynth_core.training.lora import lora_state_dict
 from diffsynth_core.training.loop import Trainer
 
 from .common import init_distributed, is_main_process, model_dtype, resolve_device
 from .config import RunConfig
 from .identity import METADATA_KEY, base_model, check_resume_base
-from .keys import training_keys
+from .keys import empty_prompt_key, training_keys
 from .locks import output_lock
 from .validation import ValidationRenderer
 
@@ -67,6 +71,23 @@ class CachedSamples:
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self.store.get(self.keys[index])
 
+    def latent_shape(self, index: int) -> tuple[int, ...]:
+        """The entry's latent shape (its batch bucket), from the cache manifest: no tensor is read."""
+        return self.store.shapes(self.keys[index])["latents"]
+
+
+def load_empty_prompt(cfg: RunConfig, store) -> dict[str, torch.Tensor] | None:
+    """The cached empty prompt's tensors when caption dropout needs them (stage 1 encodes them once).
+
+    Keyed by the cache's encoder fingerprint, which ``training_keys`` has checked against the model."""
+    if cfg.train.caption_dropout <= 0:
+        return None
+    key = empty_prompt_key(cfg, store.fingerprint)
+    if not store.has(key):
+        raise InputError(f"train.caption_dropout = {cfg.train.caption_dropout} needs the empty prompt's embedding, "
+                         f"which cache {store.url} lacks: run `splitflow preprocess` once more (it encodes only that)")
+    return {k: v for k, v in store.get(key).items() if isinstance(v, torch.Tensor)}
+
 
 def load_transformer(cfg: RunConfig, spec: FamilySpec) -> torch.nn.Module:
     dtype = model_dtype(cfg)
@@ -87,6 +108,21 @@ def _export(spec: FamilySpec, result, output: Path) -> dict[str, str]:
     return {"full": str(path)}
 
 
+def _export_ema(spec: FamilySpec, result, output: Path) -> dict[str, str]:
+    """The EMA weights in the same formats, beside the raw files: ``lora.safetensors`` -> ``lora_ema.safetensors``."""
+    staging = output / ".ema-export"
+    shutil.rmtree(staging, ignore_errors=True)
+    with swapped_weights(result.model, result.ema):
+        written = _export(spec, result, staging)
+    exports = {}
+    for kind, path in written.items():
+        final = output / f"{Path(path).stem}_ema{Path(path).suffix}"
+        os.replace(path, final)
+        exports[f"{kind}_ema"] = str(final)
+    shutil.rmtree(staging)
+    return exports
+
+
 def run(cfg: RunConfig) -> TrainSummary:
     with output_lock(cfg):  # one training per output folder: a second is refused, naming the first
         return _train(cfg)
@@ -96,6 +132,7 @@ def _train(cfg: RunConfig) -> TrainSummary:
     started = time.perf_counter()
     spec = get_family(cfg.model.family)
     store, keys = training_keys(cfg)  # checked against the model, derived from the config
+    empty_prompt = load_empty_prompt(cfg, store)  # before any model loads: a missing entry fails fast
     device = init_distributed(avoid_broken_kernels(resolve_device(cfg.train.device)))
     output = cfg.output_dir
     base = None
@@ -112,9 +149,11 @@ def _train(cfg: RunConfig) -> TrainSummary:
         callbacks.append(ValidationRenderer(cfg, spec, (meta["height"], meta["width"]), meta.get("num_frames", 1)))
     trainer = Trainer(spec, transformer, samples, cfg.train, cfg.offload, output,
                       device=device, repeat=cfg.dataset.repeat, callbacks=callbacks,
-                      checkpoint_metadata={METADATA_KEY: base} if base else None)
+                      checkpoint_metadata={METADATA_KEY: base} if base else None, empty_prompt=empty_prompt)
     result = trainer.fit()
     exports = _export(spec, result, output) if trainer.rank == 0 else {}
+    if trainer.rank == 0 and result.ema is not None:
+        exports.update(_export_ema(spec, result, output))
     summary = TrainSummary(str(output), result.step, result.resumed_from,
                            result.losses[-1] if result.losses else None, exports, time.perf_counter() - started)
     log.info(summary.describe())

@@ -9,7 +9,8 @@ Tensor conventions shared by every family (batch size 1 inside the cache):
 * ``encode_prompt`` returns the prompt-side cache entries, e.g. ``{"prompt_embeds": (L, D)}``
   without the batch dimension (no gradients; what the family pipeline's ``encode_prompt`` gives).
   It takes a keyword-only ``max_sequence_length``.  Entries whose length differs between prompts
-  (Qwen-Image's ``prompt_embeds``/``prompt_embeds_mask``) are batched by zero-padding on dim 0.
+  are named in ``batch_padding`` (Qwen-Image's ``prompt_embeds`` -> ``prompt_embeds_mask``): a
+  batch zero-pads them and their mask on dim 0; every other entry is stacked as it is.
 * ``encode_pixels`` takes pixels ``(3, F, H, W)`` in ``[-1, 1]`` (``F == 1`` for images,
   ``F = frame_multiple*k + 1`` for video) and returns ``{"latents": (C, f, h, w)}`` -- always 4-D,
   images too (``f == 1``) -- the VAE posterior mode, normalised the family's way, no batch dim.
@@ -71,3 +72,14 @@ class FamilySpec:
     # dummy_inputs(transformer_config, batch, height, width, num_frames, text_len, seed) -> (latents, cond):
     # random fp32 CPU tensors shaped like batched cache entries for pixels of that size
     dummy_inputs: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]] | None = None
+    # --- training: batches and schedule (docs/training.md) -----------------------------------------
+    # Prompt-side entry -> its mask entry, for entries whose length (dim 0) differs between prompts:
+    # a batch zero-pads both (mask 0 = padding).  Fixed-length text encoders (T5 padded to its max
+    # length) declare none: their entries stack as they are.
+    batch_padding: Mapping[str, str] = field(default_factory=dict)
+    # DiffSynth-Studio FlowMatchScheduler template whose training schedule "diffsynth" means here
+    # ("FLUX.1", "Wan", "Qwen-Image"); None: the family has no DiffSynth schedule.
+    diffsynth_template: str | None = None
+    # What train.timestep_sampling / train.loss_weighting = "auto" resolve to for this family.
+    default_timestep_sampling: str = "uniform"
+    default_loss_weighting: str = "none"

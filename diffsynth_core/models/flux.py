@@ -213,6 +213,9 @@ SPEC = FamilySpec(
     transformer_variants=tuple(TRANSFORMER_CONFIGS),
     build_transformer=build_transformer,
     dummy_inputs=dummy_inputs,
+    diffsynth_template="FLUX.1",  # DiffSynth trains this family on its "FLUX.1" schedule
+    default_timestep_sampling="diffsynth",
+    default_loss_weighting="diffsynth",
     extras={"latent_channels": 16, "vae_scale_factor": VAE_SCALE, "pixel_multiple": VAE_SCALE * PATCH,
             "default_max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH, "train_guidance": TRAIN_GUIDANCE},
 )

@@ -189,6 +189,10 @@ SPEC = FamilySpec(
     transformer_variants=tuple(TRANSFORMER_CONFIGS),
     build_transformer=build_transformer,
     dummy_inputs=dummy_inputs,
+    batch_padding={"prompt_embeds": "prompt_embeds_mask"},
+    diffsynth_template="Qwen-Image",  # DiffSynth trains this family on its "Qwen-Image" schedule
+    default_timestep_sampling="diffsynth",
+    default_loss_weighting="diffsynth",
     extras={"latent_channels": 16, "vae_scale_factor": VAE_SCALE, "pixel_multiple": VAE_SCALE * PATCH,
             "default_max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH},
 )

@@ -219,6 +219,9 @@ SPEC = FamilySpec(
     transformer_variants=tuple(TRANSFORMER_CONFIGS),
     build_transformer=build_transformer,
     dummy_inputs=dummy_inputs,
+    diffsynth_template="Wan",  # DiffSynth trains this family on its "Wan" schedule
+    default_timestep_sampling="diffsynth",
+    default_loss_weighting="diffsynth",
     extras={"latent_channels": 16, "vae_scale_factor": VAE_SCALE, "pixel_multiple": VAE_SCALE * PATCH,
             "default_max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH, "num_train_timesteps": NUM_TRAIN_TIMESTEPS},
 )

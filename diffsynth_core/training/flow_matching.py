@@ -5,16 +5,24 @@ Conventions (rectified flow, as FLUX / Qwen-Image / Wan train):
 with sigma in [0, 1] (1 = pure noise).  Sigmas are sampled in float32 (the reference casts
 timesteps to bf16 and so reaches only 376 of its 1000 steps); every random draw takes an
 explicit generator so training is reproducible and resumable.
+
+``diffsynth`` sampling and weighting reproduce DiffSynth-Studio's training schedule: a fixed
+1000-point sigma grid per model template (shift, sigma range, exponential shift), drawn
+uniformly by index, and its bell-shaped loss weights (0 at sigma = 1, mean 1 over the grid).
+docs/training.md tabulates every scheme.
 """
 
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import torch
 
-SAMPLING_SCHEMES = ("uniform", "logit_normal", "shift", "resolution_shift")
-WEIGHTING_SCHEMES = ("none", "sigma_sqrt", "cosmap")
+SAMPLING_SCHEMES = ("uniform", "logit_normal", "shift", "resolution_shift", "diffsynth")
+WEIGHTING_SCHEMES = ("none", "sigma_sqrt", "cosmap", "diffsynth")
+DIFFSYNTH_TEMPLATES = ("FLUX.1", "Wan", "Qwen-Image")
+DIFFSYNTH_STEPS = 1000  # DiffSynth trains on set_timesteps(1000, training=True)
 
 
 def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
@@ -30,9 +38,51 @@ def resolution_shift(num_tokens: int, base_tokens: int = 256, max_tokens: int = 
     return math.exp(mu)
 
 
+# --- DiffSynth-Studio's training schedule ------------------------------------------------------
+# Source: DiffSynth-Studio diffsynth/diffusion/flow_match.py (FlowMatchScheduler.set_timesteps_flux,
+# set_timesteps_wan, set_timesteps_qwen_image, set_training_weight, training_weight), called as
+# set_timesteps(1000, training=True) by diffsynth/diffusion/training_module.py; the loss that draws
+# from it is diffsynth/diffusion/loss.py::FlowMatchSFTLoss.  Computed here in float64, kept in float32.
+
+@lru_cache(maxsize=None)
+def diffsynth_sigmas(template: str, steps: int = DIFFSYNTH_STEPS) -> torch.Tensor:
+    """DiffSynth's training sigma grid for ``template``, from 1 (noise) down, ``steps`` points."""
+    if template == "FLUX.1":  # both ends included, then shift 3
+        grid = torch.linspace(1.0, 0.003 / 1.002, steps, dtype=torch.float64)
+        return shift_sigmas(grid, 3.0).float()
+    open_grid = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)[:-1]  # 1 .. 1/steps
+    if template == "Wan":
+        return shift_sigmas(open_grid, 5.0).float()
+    if template == "Qwen-Image":  # exponential shift, mu = 0.8, then the last point stretched to 0.02
+        mu, shift_terminal = 0.8, 0.02
+        shifted = math.exp(mu) / (math.exp(mu) + (1.0 / open_grid - 1.0))
+        one_minus = 1.0 - shifted
+        return (1.0 - one_minus / (one_minus[-1] / (1.0 - shift_terminal))).float()
+    raise ValueError(f"unknown DiffSynth schedule template {template!r}; "
+                     f"known: {', '.join(DIFFSYNTH_TEMPLATES)}")
+
+
+@lru_cache(maxsize=None)
+def diffsynth_weights(template: str, steps: int = DIFFSYNTH_STEPS) -> torch.Tensor:
+    """DiffSynth's per-grid-point loss weights: a Gaussian bump in t = 1000 sigma, shifted to 0 at its
+    minimum and scaled to mean 1 (its ``set_training_weight`` for a 1000-step grid)."""
+    t = diffsynth_sigmas(template, steps).double() * 1000.0
+    bump = torch.exp(-2.0 * ((t - 500.0) / 1000.0) ** 2)
+    shifted = bump - bump.min()
+    return (shifted * (steps / shifted.sum())).float()
+
+
+def _nearest_grid_index(sigmas: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """Index of the closest grid point per sigma (DiffSynth's ``argmin |timesteps - t|``)."""
+    return (sigmas.to(torch.float32).view(-1, 1) - grid.view(1, -1)).abs().argmin(dim=1)
+
+
+# --- sampling and weighting ------------------------------------------------------------------
+
 def sample_sigmas(n: int, scheme: str, generator: torch.Generator, *, logit_mean: float = 0.0,
-                  logit_std: float = 1.0, shift: float = 3.0, num_tokens: int | None = None) -> torch.Tensor:
-    """Draw ``n`` sigmas in (0, 1) as float32 on the generator's device."""
+                  logit_std: float = 1.0, shift: float = 3.0, num_tokens: int | None = None,
+                  template: str | None = None) -> torch.Tensor:
+    """Draw ``n`` sigmas in (0, 1] as float32 on the generator's device."""
     if scheme == "uniform":
         return torch.rand(n, generator=generator, dtype=torch.float32)
     if scheme == "logit_normal":
@@ -45,7 +95,33 @@ def sample_sigmas(n: int, scheme: str, generator: torch.Generator, *, logit_mean
             raise ValueError("timestep sampling 'resolution_shift' needs num_tokens")
         uniform = torch.rand(n, generator=generator, dtype=torch.float32)
         return shift_sigmas(uniform, resolution_shift(num_tokens))
+    if scheme == "diffsynth":
+        grid = diffsynth_sigmas(_need_template(template, "timestep sampling"))
+        return grid[torch.randint(len(grid), (n,), generator=generator)]
     raise ValueError(f"unknown timestep sampling {scheme!r}; choose one of {', '.join(SAMPLING_SCHEMES)}")
+
+
+def loss_weight(sigmas: torch.Tensor, scheme: str, template: str | None = None) -> torch.Tensor:
+    """Per-sample loss weights, float32: the SD3 paper's schemes, or DiffSynth's grid weights
+    (the weight of the nearest grid point, as DiffSynth looks it up)."""
+    sigmas = sigmas.to(torch.float32)
+    if scheme == "none":
+        return torch.ones_like(sigmas)
+    if scheme == "sigma_sqrt":
+        return sigmas.clamp_min(1e-4) ** -2.0
+    if scheme == "cosmap":
+        return 2.0 / (math.pi * (1.0 - 2.0 * sigmas + 2.0 * sigmas**2))
+    if scheme == "diffsynth":
+        template = _need_template(template, "loss weighting")
+        index = _nearest_grid_index(sigmas.cpu(), diffsynth_sigmas(template))
+        return diffsynth_weights(template)[index].to(sigmas.device)
+    raise ValueError(f"unknown loss weighting {scheme!r}; choose one of {', '.join(WEIGHTING_SCHEMES)}")
+
+
+def _need_template(template: str | None, what: str) -> str:
+    if template is None:
+        raise ValueError(f"{what} 'diffsynth' needs the family's DiffSynth schedule template, and it has none")
+    return template
 
 
 def noisy_latents(x0: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
@@ -56,18 +132,6 @@ def noisy_latents(x0: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -
 
 def velocity_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return noise.float() - x0.float()
-
-
-def loss_weight(sigmas: torch.Tensor, scheme: str) -> torch.Tensor:
-    """Per-sample loss weights (SD3 paper's schemes), float32."""
-    sigmas = sigmas.to(torch.float32)
-    if scheme == "none":
-        return torch.ones_like(sigmas)
-    if scheme == "sigma_sqrt":
-        return sigmas.clamp_min(1e-4) ** -2.0
-    if scheme == "cosmap":
-        return 2.0 / (math.pi * (1.0 - 2.0 * sigmas + 2.0 * sigmas**2))
-    raise ValueError(f"unknown loss weighting {scheme!r}; choose one of {', '.join(WEIGHTING_SCHEMES)}")
 
 
 def flow_matching_loss(prediction: torch.Tensor, target: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

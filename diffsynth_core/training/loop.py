@@ -1,9 +1,10 @@
-"""The training loop: flow-matching steps over cached samples, with exact resume.
+"""The training loop: flow-matching steps over batches of cached samples, with exact resume.
 
-A run is a pure function of its config and the cache: the sample order comes from
-``ResumableSampler``, noise and timesteps from a generator seeded by each draw's serial, and a checkpoint holds
-every piece of state that changes (weights, optimizer, scheduler, sampler position, RNGs).
-So N steps, a kill, and a resume to 2N steps end bit-for-bit where 2N uninterrupted steps do.
+A run is a pure function of its config and the cache: the batches come from ``BucketSampler``
+(samples of one latent shape per batch), each sample's noise, timestep and caption dropout from a
+generator seeded by its draw serial, and a checkpoint holds every piece of state that changes
+(weights, optimizer, scheduler, EMA, sampler position, RNGs).  So N steps, a kill, and a resume to
+2N steps end bit-for-bit where 2N uninterrupted steps do.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ..models.base import FamilySpec
+from .batching import collate, latent_shapes, with_empty_prompt
 from .checkpoint import CheckpointManager
+from .ema import EmaWeights
 from .flow_matching import flow_matching_loss, loss_weight, noisy_latents, sample_sigmas, velocity_target
 from .metrics import MetricsLog
 from .prepare import Prepared, prepare_for_training
-from .sampler import ResumableSampler, SamplerState
+from .sampler import Batch, BucketSampler, SamplerState, format_bucket
 from ..errors import InputError
 
 log = logging.getLogger(__name__)
@@ -37,6 +40,30 @@ class TrainResult:
     step: int
     resumed_from: int
     losses: list[float] = field(default_factory=list)
+    ema: dict[str, torch.Tensor] | None = None  # EMA of the trainable weights by name (train.ema_decay)
+
+
+@dataclass
+class StepResult:
+    loss: float
+    batches: list[Batch]  # every batch of the step, all ranks and accumulation rounds
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The resolved timestep sampling and loss weighting ("auto" = the family's default)."""
+    sampling: str
+    weighting: str
+    template: str | None  # the family's DiffSynth template, for "diffsynth"
+
+    @classmethod
+    def resolve(cls, train, spec: FamilySpec) -> "Schedule":
+        sampling = spec.default_timestep_sampling if train.timestep_sampling == "auto" else train.timestep_sampling
+        weighting = spec.default_loss_weighting if train.loss_weighting == "auto" else train.loss_weighting
+        if "diffsynth" in (sampling, weighting) and spec.diffsynth_template is None:
+            raise InputError(f"train.timestep_sampling/loss_weighting 'diffsynth': family {spec.name} "
+                             "declares no DiffSynth schedule; choose another scheme")
+        return cls(sampling, weighting, spec.diffsynth_template)
 
 
 def _world() -> tuple[int, int]:
@@ -45,23 +72,17 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def _to_batch(entry: Mapping[str, Any], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Add the batch dim and move every tensor; floating tensors take the model's dtype."""
-    batch = {}
-    for key, value in entry.items():
-        if isinstance(value, torch.Tensor):
-            value = value.unsqueeze(0).to(device)
-            batch[key] = value.to(dtype) if value.is_floating_point() else value
-    return batch
-
-
 class Trainer:
-    """Train ``model`` (the family's DiT) on ``samples`` (cache entries with a ``latents`` key)."""
+    """Train ``model`` (the family's DiT) on ``samples`` (cache entries with a ``latents`` key).
+
+    ``empty_prompt``: the cached empty prompt's tensors, which ``train.caption_dropout`` trains on.
+    """
 
     def __init__(self, spec: FamilySpec, model: nn.Module, samples: Sequence[Mapping[str, Any]], train, offload,
                  output_dir: Path | str, device: torch.device | str = "cpu", repeat: int = 1, progress: bool = True,
                  callbacks: Sequence[Callable[[int, nn.Module], None]] = (),
-                 checkpoint_metadata: Mapping[str, Any] | None = None):
+                 checkpoint_metadata: Mapping[str, Any] | None = None,
+                 empty_prompt: Mapping[str, torch.Tensor] | None = None):
         self.spec, self.model, self.samples = spec, model, samples
         self.train, self.offload_opts = train, offload
         self.output_dir, self.device = Path(output_dir), torch.device(device)
@@ -70,35 +91,32 @@ class Trainer:
         self.checkpoint_metadata = dict(checkpoint_metadata or {})  # saved with every checkpoint (base model)
         self.rank, self.world_size = _world()
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", keep=train.keep_checkpoints)
+        self.schedule = Schedule.resolve(train, spec)
+        if train.caption_dropout > 0 and empty_prompt is None:
+            raise InputError("train.caption_dropout > 0 needs the empty prompt's embedding from the cache; "
+                             "run preprocess again (it encodes only that)")
+        self.empty_prompt = empty_prompt
 
     # -- public verbs --------------------------------------------------------------------------
     def fit(self) -> TrainResult:
-        if getattr(self.train, "batch_size", 1) != 1:
-            raise InputError("train.batch_size > 1 is not supported by this version; "
-                             "use train.gradient_accumulation_steps")
         prepared = prepare_for_training(self.model, self.spec, self.train, self.offload_opts, self.device)
-        sampler = ResumableSampler(len(self.samples), self.repeat, self.train.seed, self.rank, self.world_size)
-        step = self._resume(prepared, sampler)
+        sampler = self.make_sampler()
+        ema = self._make_ema(prepared)
+        step = self._resume(prepared, sampler, ema)
         resumed_from, total = step, self.total_steps(sampler)
         metrics = self._open_metrics(step)
         losses: list[float] = []
         bar = self._progress_bar(step, total)
         while step < total:
             started = time.perf_counter()
-            loss = self._optimizer_step(prepared, sampler)
+            result = self.optimizer_step(prepared, sampler)
+            if ema is not None:
+                ema.update(prepared.trainable)
             step += 1
-            elapsed = time.perf_counter() - started
-            losses.append(loss)
-            if metrics is not None:
-                samples_per_step = self.train.gradient_accumulation_steps * self.world_size
-                metrics.log(step=step, epoch=sampler.state.epoch, loss=f"{loss:.6g}",
-                            lr=f"{prepared.scheduler.get_last_lr()[0]:.6g}", step_time_s=f"{elapsed:.4f}",
-                            samples_per_s=f"{samples_per_step / elapsed:.3f}")
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}")
+            losses.append(result.loss)
+            self._report(metrics, bar, step, sampler, prepared, result, time.perf_counter() - started)
             if step == total or (self.train.save_steps and step % self.train.save_steps == 0):
-                self._save(prepared, sampler, step)
+                self._save(prepared, sampler, step, ema)
             if self.rank == 0:
                 for callback in self.callbacks:
                     callback(step, prepared.model)
@@ -108,25 +126,34 @@ class Trainer:
             metrics.close()
         if prepared.offload is not None:
             prepared.offload.detach()  # real weights back in the module for export
-        return TrainResult(prepared.model, prepared.lora_config, step, resumed_from, losses)
+        averaged = ema.state_dict() if ema is not None else None
+        return TrainResult(prepared.model, prepared.lora_config, step, resumed_from, losses, averaged)
 
-    def total_steps(self, sampler: ResumableSampler) -> int:
+    def make_sampler(self, batch_size: int | None = None) -> BucketSampler:
+        """The run's batch order (``batch_size`` overrides ``train.batch_size``: benchmarks)."""
+        sampler = BucketSampler(latent_shapes(self.samples), batch_size or self.train.batch_size,
+                                self.train.drop_last, self.repeat, self.train.seed, self.rank, self.world_size)
+        if self.rank == 0:
+            log.info("batches per epoch (batch_size %d, drop_last %s):\n%s", sampler.batch_size,
+                     self.train.drop_last, sampler.describe())
+        return sampler
+
+    def total_steps(self, sampler: BucketSampler) -> int:
         if self.train.max_steps:
             return self.train.max_steps
         per_step = self.train.gradient_accumulation_steps
-        return max(1, -(-self.train.num_epochs * sampler.samples_per_epoch // per_step))
+        return max(1, -(-self.train.num_epochs * sampler.rounds_per_epoch // per_step))
 
     # -- one optimizer step --------------------------------------------------------------------
-    def _optimizer_step(self, prepared: Prepared, sampler: ResumableSampler) -> float:
+    def optimizer_step(self, prepared: Prepared, sampler: BucketSampler) -> StepResult:
         accumulation = self.train.gradient_accumulation_steps
-        total_loss = 0.0
+        total_loss, batches = 0.0, []
         for _ in range(accumulation):
-            index, serial = sampler.next_index()
-            # Noise and timestep depend only on (seed, draw serial): resumable and world-size independent.
-            generator = torch.Generator().manual_seed(self.train.seed * 1_000_003 + serial)
-            loss = self._sample_loss(prepared.model, self.samples[index], generator) / accumulation
+            round_ = sampler.next_round()
+            loss = self._batch_loss(prepared.model, round_[self.rank]) / accumulation
             loss.backward()
             total_loss += loss.item()
+            batches.extend(round_)
         params = list(prepared.trainable.values())
         if prepared.offload is not None:
             prepared.offload.after_backward()  # also all-reduces across ranks
@@ -137,23 +164,41 @@ class Trainer:
         prepared.optimizer.step()
         prepared.scheduler.step()
         prepared.optimizer.zero_grad(set_to_none=True)
-        return total_loss
+        return StepResult(total_loss, batches)
 
-    def _sample_loss(self, model: nn.Module, entry: Mapping[str, Any], generator: torch.Generator) -> torch.Tensor:
-        dtype = getattr(model, "dtype", torch.float32)
-        batch = _to_batch(entry, self.device, dtype)
-        x0 = batch.pop("latents")
-        # Draw on the CPU generator so the run is identical on any device.
-        noise = torch.randn(x0.shape, generator=generator, dtype=torch.float32).to(self.device, x0.dtype)
-        sigmas = sample_sigmas(1, self.train.timestep_sampling, generator, logit_mean=self.train.logit_mean,
-                               logit_std=self.train.logit_std, shift=self.train.shift,
-                               num_tokens=x0[0, 0].numel() // 4).to(self.device)
-        prediction = self.spec.dit_forward(model, noisy_latents(x0, noise, sigmas), sigmas, batch)
-        weights = loss_weight(sigmas, self.train.loss_weighting)
+    def _batch_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        draws = [self._draw(index, serial) for index, serial in zip(batch.indices, batch.serials)]
+        inputs = collate([entry for entry, _, _ in draws], self.spec.batch_padding, self.device,
+                         getattr(model, "dtype", torch.float32))
+        x0 = inputs.pop("latents")
+        noise = torch.stack([noise for _, noise, _ in draws]).to(self.device, x0.dtype)
+        sigmas = torch.cat([sigma for _, _, sigma in draws]).to(self.device)
+        prediction = self.spec.dit_forward(model, noisy_latents(x0, noise, sigmas), sigmas, inputs)
+        weights = loss_weight(sigmas, self.schedule.weighting, self.schedule.template)
         return flow_matching_loss(prediction, velocity_target(x0, noise), weights)
 
-    # -- checkpoints ---------------------------------------------------------------------------
-    def _save(self, prepared: Prepared, sampler: ResumableSampler, step: int) -> None:
+    def _draw(self, index: int, serial: int) -> tuple[Mapping[str, Any], torch.Tensor, torch.Tensor]:
+        """Sample ``index`` with its noise, sigma and caption dropout, all drawn from its serial alone:
+        resumable, and the same whatever the batch size or world size."""
+        generator = torch.Generator().manual_seed(self.train.seed * 1_000_003 + serial)
+        entry = self.samples[index]
+        latents = entry["latents"]  # drawn on the CPU generator so the run is identical on any device
+        noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32)
+        sigma = sample_sigmas(1, self.schedule.sampling, generator, logit_mean=self.train.logit_mean,
+                              logit_std=self.train.logit_std, shift=self.train.shift,
+                              num_tokens=latents[0].numel() // 4, template=self.schedule.template)
+        if self.train.caption_dropout > 0 and torch.rand(1, generator=generator).item() < self.train.caption_dropout:
+            entry = with_empty_prompt(entry, self.empty_prompt)
+        return entry, noise, sigma
+
+    # -- EMA and checkpoints -------------------------------------------------------------------
+    def _make_ema(self, prepared: Prepared) -> EmaWeights | None:
+        if not self.train.ema_decay:
+            return None
+        on_host = prepared.offload is not None and self.offload_opts.enable_optimizer_cpu_offload
+        return EmaWeights(prepared.trainable, self.train.ema_decay, "cpu" if on_host else None)
+
+    def _save(self, prepared: Prepared, sampler: BucketSampler, step: int, ema: EmaWeights | None) -> None:
         if self.rank != 0:
             return
         state = {
@@ -165,12 +210,14 @@ class Trainer:
             "python_rng": random.getstate(),
         }
         optimizer_state = {"optimizer": prepared.optimizer.state_dict(), "scheduler": prepared.scheduler.state_dict()}
+        if ema is not None:
+            optimizer_state["ema"] = ema.state_dict()
         metadata = {**self.checkpoint_metadata, "lora_config": prepared.lora_config, "family": self.spec.name,
                     "step": step}
         path = self.checkpoints.save(step, dict(prepared.trainable), optimizer_state, state, metadata)
         log.info("checkpoint written: %s", path)
 
-    def _resume(self, prepared: Prepared, sampler: ResumableSampler) -> int:
+    def _resume(self, prepared: Prepared, sampler: BucketSampler, ema: EmaWeights | None) -> int:
         checkpoint = self.checkpoints.load()
         if checkpoint is None:
             return 0
@@ -184,6 +231,7 @@ class Trainer:
                 param.copy_(saved[name])
         prepared.optimizer.load_state_dict(checkpoint["optimizer"]["optimizer"])
         prepared.scheduler.load_state_dict(checkpoint["optimizer"]["scheduler"])
+        self._resume_ema(ema, prepared, checkpoint)
         state = checkpoint["state"]
         sampler.state = SamplerState(state["epoch"], state["position"])
         torch.set_rng_state(state["torch_rng"])
@@ -193,7 +241,30 @@ class Trainer:
         log.info("resumed from %s (step %d)", checkpoint["path"], state["step"])
         return state["step"]
 
+    @staticmethod
+    def _resume_ema(ema: EmaWeights | None, prepared: Prepared, checkpoint: Mapping[str, Any]) -> None:
+        if ema is None:
+            return
+        saved = checkpoint["optimizer"].get("ema")
+        if saved is None:  # EMA switched on for a run that trained without it
+            log.warning("checkpoint %s holds no EMA: the average starts from the resumed weights", checkpoint["path"])
+            ema.load_state_dict({name: p.detach() for name, p in prepared.trainable.items()})
+        else:
+            ema.load_state_dict(saved)
+
     # -- reporting -----------------------------------------------------------------------------
+    def _report(self, metrics: MetricsLog | None, bar, step: int, sampler: BucketSampler, prepared: Prepared,
+                result: StepResult, elapsed: float) -> None:
+        if metrics is not None:
+            samples = sum(len(batch.indices) for batch in result.batches)
+            buckets = " ".join(dict.fromkeys(format_bucket(batch.bucket) for batch in result.batches))
+            metrics.log(step=step, epoch=sampler.state.epoch, loss=f"{result.loss:.6g}",
+                        lr=f"{prepared.scheduler.get_last_lr()[0]:.6g}", step_time_s=f"{elapsed:.4f}",
+                        samples_per_s=f"{samples / elapsed:.3f}", samples=samples, bucket=buckets)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{result.loss:.4f}")
+
     def _open_metrics(self, step: int) -> MetricsLog | None:
         if self.rank != 0:
             return None

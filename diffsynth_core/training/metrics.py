@@ -9,7 +9,8 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-COLUMNS = ("step", "epoch", "loss", "lr", "step_time_s", "samples_per_s")
+# samples: how many samples the step trained on (all ranks); bucket: their latent shape(s), e.g. 16x1x12x16
+COLUMNS = ("step", "epoch", "loss", "lr", "step_time_s", "samples_per_s", "samples", "bucket")
 
 
 class MetricsLog:

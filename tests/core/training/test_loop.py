@@ -98,3 +98,33 @@ def test_preset_lora_is_fused_into_the_base_weights(tmp_path):
               str(tmp_path / "bad.safetensors"))
     with pytest.raises(ValueError, match="nope"):
         fuse_lora_file(model, tmp_path / "bad.safetensors")
+
+
+def test_ema_follows_its_recursion_over_the_trained_weights(tmp_path):
+    from diffsynth_core.training.ema import EmaWeights, swapped_weights
+    from diffsynth_core.training.prepare import prepare_for_training
+
+    torch.manual_seed(0)
+    base = ToyDiT()
+    train = TrainSection(lora_rank=2, max_steps=3, save_steps=0, ema_decay=0.75, learning_rate=1e-2, seed=4,
+                         gradient_checkpointing=False)
+    start = prepare_for_training(copy.deepcopy(base), TOY_SPEC, train, OffloadSection(), torch.device("cpu"))
+    expected = {name: p.detach().clone() for name, p in start.trainable.items()}  # the average starts here
+
+    def average(step, model):  # ema = 0.75 ema + 0.25 w after every optimizer step
+        for name, param in model.named_parameters():
+            if name in expected:
+                expected[name] = 0.75 * expected[name] + 0.25 * param.detach()
+
+    result = Trainer(TOY_SPEC, copy.deepcopy(base), toy_samples(), train, OffloadSection(), tmp_path,
+                     progress=False, callbacks=[average]).fit()
+    assert result.ema.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(result.ema[name], expected[name], rtol=1e-6, atol=1e-7)
+    raw = _lora_weights(result.model)
+    assert any(not torch.equal(raw[n], result.ema[n]) for n in raw)
+    with swapped_weights(result.model, result.ema):
+        assert all(torch.equal(v, result.ema[k]) for k, v in _lora_weights(result.model).items())
+    assert all(torch.equal(v, raw[k]) for k, v in _lora_weights(result.model).items())  # restored after
+    with pytest.raises(ValueError, match="decay"):
+        EmaWeights(raw, 1.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -38,10 +39,16 @@ class ToyDiT(nn.Module):
     def enable_gradient_checkpointing(self):  # the trainer's fallback path
         pass
 
-    def forward(self, latents, sigmas, prompt_embeds):
+    def forward(self, latents, sigmas, prompt_embeds, prompt_mask=None):
         b, c, h, w = latents.shape
         tokens = self.inp(latents.flatten(2).transpose(1, 2))
-        cond = self.time(sigmas.view(b, 1, 1).to(tokens.dtype)) + self.text(prompt_embeds).mean(1, keepdim=True)
+        text = self.text(prompt_embeds)
+        if prompt_mask is None:
+            pooled = text.mean(1, keepdim=True)
+        else:  # padded prompts: the mean over real tokens only
+            weights = prompt_mask.to(text.dtype).unsqueeze(-1)
+            pooled = (text * weights).sum(1, keepdim=True) / weights.sum(1, keepdim=True)
+        cond = self.time(sigmas.view(b, 1, 1).to(tokens.dtype)) + pooled
         for block in self.transformer_blocks:
             tokens = block(tokens, cond)
         return self.out(tokens).transpose(1, 2).reshape(b, c, h, w)
@@ -49,6 +56,10 @@ class ToyDiT(nn.Module):
 
 def _toy_forward(model, latents, sigmas, cond):
     return model(latents, sigmas, cond["prompt_embeds"])
+
+
+def _toy_forward_masked(model, latents, sigmas, cond):
+    return model(latents, sigmas, cond["prompt_embeds"], cond["prompt_mask"])
 
 
 def _unused(*args, **kwargs):
@@ -68,3 +79,20 @@ def toy_samples(n: int = 6, seed: int = 0) -> list[dict]:
     return [{"latents": torch.randn(4, 4, 4, generator=generator),
              "prompt_embeds": torch.randn(3 + i % 2, 4, generator=generator),
              "meta": {"row": i}} for i in range(n)]
+
+
+# Prompts of different lengths, padded with their mask in batches (like Qwen-Image).
+TOY_PADDED_SPEC = replace(TOY_SPEC, name="toy_padded", dit_forward=_toy_forward_masked,
+                          batch_padding={"prompt_embeds": "prompt_mask"})
+
+
+def mixed_toy_samples(n: int = 10, seed: int = 0) -> list[dict]:
+    """Two latent shapes (buckets: (4, 4, 4) for even rows, (4, 4, 6) for odd ones), prompts of 2-4 tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(n):
+        length = 2 + i % 3
+        samples.append({"latents": torch.randn(4, 4, 4 + 2 * (i % 2), generator=generator),
+                        "prompt_embeds": torch.randn(length, 4, generator=generator),
+                        "prompt_mask": torch.ones(length, dtype=torch.long), "meta": {"row": i}})
+    return samples

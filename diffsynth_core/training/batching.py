@@ -1,0 +1,67 @@
+"""Cache entries -> one batch of tensors: stacking, padding of variable-length prompts, caption dropout.
+
+Entries of one batch share their latent shape (the sampler buckets them), so latents stack as they
+are.  Prompt-side tensors whose length differs between prompts are named by the family
+(``FamilySpec.batch_padding``: tensor -> mask): both are zero-padded on dim 0 to the batch's
+longest, the mask's padding being 0, which the DiT's attention then ignores.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import InputError
+
+
+def latent_shapes(samples: Sequence[Mapping[str, Any]]) -> list[Hashable]:
+    """Each sample's bucket: its latent shape, frames included.
+
+    Training sets that can tell a shape without reading the tensors (``samples.latent_shape(i)``,
+    e.g. from the cache's manifest) are asked; others are read.
+    """
+    if hasattr(samples, "latent_shape"):
+        return [tuple(samples.latent_shape(i)) for i in range(len(samples))]
+    return [tuple(samples[i]["latents"].shape) for i in range(len(samples))]
+
+
+def with_empty_prompt(entry: Mapping[str, Any], empty_prompt: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """``entry`` with its prompt-side tensors replaced by the empty prompt's (caption dropout)."""
+    return {**entry, **{k: v for k, v in empty_prompt.items() if isinstance(v, torch.Tensor)}}
+
+
+def _pad_to(tensor: torch.Tensor, length: int) -> torch.Tensor:
+    """Zero-pad dim 0 of ``tensor`` to ``length``."""
+    pad = [0, 0] * (tensor.ndim - 1) + [0, length - tensor.shape[0]]
+    return F.pad(tensor, pad)
+
+
+def collate(entries: Sequence[Mapping[str, Any]], padding: Mapping[str, str], device: torch.device,
+            dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Stack the tensors of ``entries`` along a new batch dim on ``device``; floating ones in ``dtype``."""
+    names = [k for k, v in entries[0].items() if isinstance(v, torch.Tensor)]
+    padded = set(padding) | set(padding.values())
+    batch = {}
+    for name in names:
+        tensors = [_field(entry, name, i) for i, entry in enumerate(entries)]
+        if name in padded:
+            longest = max(t.shape[0] for t in tensors)
+            tensors = [_pad_to(t, longest) for t in tensors]
+        elif len({t.shape for t in tensors}) > 1:
+            shapes = sorted({tuple(t.shape) for t in tensors})
+            raise InputError(f"cannot batch entries whose {name!r} shapes differ ({shapes}); this family pads no "
+                             f"{name!r}: re-run preprocess with one prompt length, or set train.batch_size = 1")
+        stacked = torch.stack(tensors).to(device)
+        batch[name] = stacked.to(dtype) if stacked.is_floating_point() else stacked
+    return batch
+
+
+def _field(entry: Mapping[str, Any], name: str, position: int) -> torch.Tensor:
+    value = entry.get(name)
+    if not isinstance(value, torch.Tensor):
+        row = (entry.get("meta") or {}).get("row", "?")
+        raise InputError(f"cache entry of row {row} has no tensor {name!r} that other entries of its batch have "
+                         f"(entry {position} of the batch); re-run preprocess")
+    return value
