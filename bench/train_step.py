@@ -1,16 +1,22 @@
-"""Training-step throughput per model family, through the real Trainer (LoRA, flow matching).
+"""Training-step throughput per model family and batch size, through the real Trainer (LoRA, flow matching).
 
-    python bench/train_step.py                                  # every tiny family on the CPU
+    python bench/train_step.py                                  # every tiny family on the CPU, batch 1
     python bench/train_step.py --family flux --variant FLUX.1-dev --device cuda --dtype bfloat16 \
-        --height 1024 --width 1024 --offload                    # a released layout on a GPU
+        --sizes 512,1024 --batch-size 1,2,4 --modes resident,offload --text-len 512
 
-Samples are random tensors shaped like the family's cache entries (``spec.dummy_inputs``), so no
-weights or data are needed.  Prints one JSON object: steps/s and s/step per family, after warm-up.
+For each mode (``resident``: the DiT on the device; ``offload``: streamed from host memory by the offload
+engine) the model is built and prepared once; then every size x batch size runs ``--warmup`` optimizer
+steps and ``--steps`` timed ones on the same prepared model, so batch sizes are compared side by side in
+one process.  Samples are random tensors shaped like the family's cache entries (``spec.dummy_inputs``),
+so no weights or data are needed.  Prints one JSON object: s/step, s/sample and samples/s per run, and
+each batch size's samples/s relative to batch 1 (``speedup``).  ``--budget-s`` skips what would start
+after that many seconds (marked ``"skipped"``); ``--out FILE`` rewrites the JSON after every run.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
@@ -24,53 +30,95 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from diffsynth_core.models import get_family, known_families  # noqa: E402
 from diffsynth_core.training.device import avoid_broken_kernels  # noqa: E402
 from diffsynth_core.training.loop import Trainer  # noqa: E402
+from diffsynth_core.training.prepare import prepare_for_training  # noqa: E402
 from stages.config import OffloadSection, TrainSection  # noqa: E402
 
 
-def _samples(spec, model, args, count: int = 4) -> list[dict]:
+def _ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part]
+
+
+def _samples(spec, model, args, size: int, count: int) -> list[dict]:
     samples = []
     for seed in range(count):
-        latents, cond = spec.dummy_inputs(model.config, batch=1, height=args.height, width=args.width,
+        latents, cond = spec.dummy_inputs(model.config, batch=1, height=size, width=size,
                                           num_frames=args.frames, text_len=args.text_len, seed=seed)
         samples.append({"latents": latents[0], **{k: v[0] for k, v in cond.items()}})
     return samples
 
 
-def bench_family(name: str, args) -> dict:
-    spec = get_family(name)
-    dtype = getattr(torch, args.dtype)
-    device = avoid_broken_kernels(args.device)
-    # Random weights are made fastest on the GPU; under offload they then move to host memory.
-    model = spec.build_transformer(args.variant, dtype, args.device)
-    if args.offload:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_steps(trainer: Trainer, prepared, batch_size: int, args, device: torch.device) -> dict:
+    sampler = trainer.make_sampler(batch_size)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(args.warmup):
+        trainer.optimizer_step(prepared, sampler)
+    _sync(device)
+    started = time.perf_counter()
+    for _ in range(args.steps):
+        trainer.optimizer_step(prepared, sampler)
+    _sync(device)
+    per_step = (time.perf_counter() - started) / args.steps
+    return {"s_per_step": round(per_step, 5), "s_per_sample": round(per_step / batch_size, 5),
+            "samples_per_s": round(batch_size / per_step, 3),
+            "peak_gpu_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 2) if device.type == "cuda" else None}
+
+
+def _build(spec, args, offload: bool, device: torch.device) -> torch.nn.Module:
+    """Random weights are made fastest on the GPU; under offload they then move to host memory."""
+    model = spec.build_transformer(args.variant, getattr(torch, args.dtype), str(device))
+    if offload:
         model.to("cpu")
     if device.type == "cuda":
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    samples = _samples(spec, model, args)
-    train = TrainSection(lora_rank=args.rank, max_steps=args.warmup + args.steps, save_steps=0, seed=0,
-                         gradient_checkpointing=args.checkpointing, device=args.device)
-    offload = OffloadSection(enable_model_cpu_offload=args.offload, prefetch=args.prefetch,
+    return model
+
+
+def bench_mode(spec, args, mode: str, device: torch.device, over_budget, record) -> list[dict]:
+    if over_budget():  # not even worth building the model
+        return [{"mode": mode, "size": size, "batch_size": b, "skipped": True}
+                for size in args.sizes for b in args.batch_size]
+    offload = mode == "offload"
+    model = _build(spec, args, offload, device)
+    train = TrainSection(lora_rank=args.rank, seed=0, gradient_checkpointing=args.checkpointing, device=str(device))
+    options = OffloadSection(enable_model_cpu_offload=offload, prefetch=args.prefetch,
                              vram_budget_gb=args.vram_budget_gb)
-    step_times: list[float] = []
-
-    def clock(step: int, _model) -> None:  # called after each optimizer step
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        step_times.append(time.perf_counter())
-
+    prepared = prepare_for_training(model, spec, train, options, device)
+    runs = []
     with tempfile.TemporaryDirectory() as out:
-        trainer = Trainer(spec, model, samples, train, offload, out, device=device, progress=False,
-                          callbacks=[clock])
-        trainer.fit()
-    timed = step_times[args.warmup:]
-    seconds = (timed[-1] - step_times[args.warmup - 1]) / len(timed) if args.warmup else \
-        (timed[-1] - timed[0]) / max(1, len(timed) - 1)
-    return {"variant": args.variant, "device": args.device, "dtype": args.dtype, "offload": args.offload,
-            "pixels": [args.height, args.width, args.frames], "lora_rank": args.rank,
-            "params": sum(p.numel() for p in model.parameters()),
-            "s_per_step": round(seconds, 5), "steps_per_s": round(1.0 / seconds, 3),
-            "peak_gpu_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 2) if device.type == "cuda" else None}
+        for size in args.sizes:
+            samples = _samples(spec, model, args, size, count=2 * max(args.batch_size))
+            trainer = Trainer(spec, model, samples, train, options, out, device=device, progress=False)
+            for batch_size in args.batch_size:
+                run = {"mode": mode, "size": size, "batch_size": batch_size}
+                if over_budget():
+                    runs.append({**run, "skipped": True})
+                else:
+                    runs.append({**run, **_time_steps(trainer, prepared, batch_size, args, device)})
+                print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+                record(runs)
+    if prepared.offload is not None:
+        prepared.offload.detach()
+    del prepared, model
+    gc.collect()
+    return runs
+
+
+def _speedups(runs: list[dict]) -> dict:
+    """samples/s of each batch size over batch 1's, per mode and size."""
+    out = {}
+    for run in runs:
+        base = next((r for r in runs if r["mode"] == run["mode"] and r["size"] == run["size"]
+                     and r["batch_size"] == 1 and "samples_per_s" in r), None)
+        if base is not None and "samples_per_s" in run:
+            key = f"{run['mode']}@{run['size']}"
+            out.setdefault(key, {})[str(run["batch_size"])] = round(run["samples_per_s"] / base["samples_per_s"], 3)
+    return out
 
 
 def main() -> None:
@@ -79,24 +127,44 @@ def main() -> None:
     parser.add_argument("--variant", default="tiny")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--height", type=int, default=128)
-    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--sizes", type=_ints, default=[128], help="square image sizes in pixels, e.g. 512,1024")
+    parser.add_argument("--batch-size", type=_ints, default=[1], help="batch sizes compared in one run, e.g. 1,2,4")
+    parser.add_argument("--modes", default="resident", help="resident,offload")
     parser.add_argument("--frames", type=int, default=1, help="video families only")
     parser.add_argument("--text-len", type=int, default=32)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--offload", action="store_true", help="stream the DiT with OffloadTrainingManager")
     parser.add_argument("--prefetch", type=int, default=1)
     parser.add_argument("--vram-budget-gb", type=float, default=0.0)
+    parser.add_argument("--budget-s", type=float, default=None, help="start no run after this many seconds")
+    parser.add_argument("--out", help="also write the JSON here (rewritten after every run)")
     args = parser.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
-    results = {}
+    started = time.perf_counter()
+    clock = lambda: time.perf_counter() - started  # noqa: E731
+    over_budget = lambda: args.budget_s is not None and clock() > args.budget_s  # noqa: E731
+    device = avoid_broken_kernels(args.device)
+    report = {"train_step": {}, "threads": torch.get_num_threads(), "args": vars(args)}
     for name in args.family or known_families():
-        frames = args.frames if get_family(name).frame_multiple > 1 else 1
-        results[name] = bench_family(name, argparse.Namespace(**{**vars(args), "frames": frames}))
-    print(json.dumps({"train_step": results, "threads": torch.get_num_threads()}, indent=2))
+        spec = get_family(name)
+        frames = args.frames if spec.frame_multiple > 1 else 1
+        family_args = argparse.Namespace(**{**vars(args), "frames": frames})
+        done: list[dict] = []
+
+        def record(runs: list[dict]) -> None:
+            every = done + runs
+            report["train_step"][name] = {"variant": args.variant, "runs": every, "speedup": _speedups(every)}
+            if args.out:
+                Path(args.out).write_text(json.dumps(report, indent=2))
+
+        for mode in args.modes.split(","):
+            done += bench_mode(spec, family_args, mode, device, over_budget, record)
+            record([])
+    report["seconds"] = round(clock(), 1)
+    print(json.dumps(report, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":
