@@ -9,8 +9,9 @@ engine) the model is built and prepared once; then every size x batch size runs 
 steps and ``--steps`` timed ones on the same prepared model, so batch sizes are compared side by side in
 one process.  Samples are random tensors shaped like the family's cache entries (``spec.dummy_inputs``),
 so no weights or data are needed.  Prints one JSON object: s/step, s/sample and samples/s per run, and
-each batch size's samples/s relative to batch 1 (``speedup``).  ``--budget-s`` skips what would start
-after that many seconds (marked ``"skipped"``); ``--out FILE`` rewrites the JSON after every run.
+each batch size's samples/s relative to batch 1 (``speedup``).  ``--budget-s`` skips a mode, or a size
+after a mode's first, that would start after that many seconds (marked ``"skipped"``); ``--out FILE``
+rewrites the JSON after every size.
 """
 
 from __future__ import annotations
@@ -76,31 +77,49 @@ def _build(spec, args, device: torch.device) -> torch.nn.Module:
     return spec.build_transformer(args.variant, getattr(torch, args.dtype), str(device))
 
 
+def _bench_size(trainer: Trainer, prepared, mode: str, size: int, args, device: torch.device) -> list[dict]:
+    """Every batch size at one image size.  The largest batch first runs ``--warmup`` untimed steps, so
+    first-use costs of the new shapes (allocator growth, kernel choice) land on no timed batch size."""
+    sampler = trainer.make_sampler(max(args.batch_size))
+    for _ in range(args.warmup):
+        trainer.optimizer_step(prepared, sampler)
+    runs = []
+    for batch_size in args.batch_size:
+        runs.append({"mode": mode, "size": size, "batch_size": batch_size,
+                     **_time_steps(trainer, prepared, batch_size, args, device)})
+        print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+    return runs
+
+
 def bench_mode(spec, args, mode: str, device: torch.device, over_budget, record) -> list[dict]:
-    if over_budget():  # not even worth building the model
-        return [{"mode": mode, "size": size, "batch_size": b, "skipped": True}
-                for size in args.sizes for b in args.batch_size]
-    offload = mode == "offload"
+    """Build and prepare the model once for ``mode``, then time every size x batch size on it.
+
+    ``over_budget`` is asked before building (set-up under offload pins the whole DiT: ~30 s for FLUX on
+    the H200) and before each size after the first: a prepared model always gets its first size timed.
+    """
+    skipped = lambda sizes: [{"mode": mode, "size": size, "batch_size": b, "skipped": True}  # noqa: E731
+                             for size in sizes for b in args.batch_size]
+    if over_budget():
+        return skipped(args.sizes)
+    started = time.perf_counter()
     model = _build(spec, args, device)
     train = TrainSection(lora_rank=args.rank, seed=0, gradient_checkpointing=args.checkpointing, device=str(device))
-    options = OffloadSection(enable_model_cpu_offload=offload, prefetch=args.prefetch,
+    options = OffloadSection(enable_model_cpu_offload=mode == "offload", prefetch=args.prefetch,
                              vram_budget_gb=args.vram_budget_gb)
     prepared = prepare_for_training(model, spec, train, options, device)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the device copies the offload engine freed
+    print(json.dumps({"mode": mode, "setup_s": round(time.perf_counter() - started, 1)}), file=sys.stderr, flush=True)
     runs = []
     with tempfile.TemporaryDirectory() as out:
-        for size in args.sizes:
+        for i, size in enumerate(args.sizes):
+            if i and over_budget():
+                runs += skipped(args.sizes[i:])
+                break
             samples = _samples(spec, model, args, size, count=2 * max(args.batch_size))
             trainer = Trainer(spec, model, samples, train, options, out, device=device, progress=False)
-            for batch_size in args.batch_size:
-                run = {"mode": mode, "size": size, "batch_size": batch_size}
-                if over_budget():
-                    runs.append({**run, "skipped": True})
-                else:
-                    runs.append({**run, **_time_steps(trainer, prepared, batch_size, args, device)})
-                print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
-                record(runs)
+            runs += _bench_size(trainer, prepared, mode, size, args, device)
+            record(runs)
     if prepared.offload is not None:
         prepared.offload.detach()
     del prepared, model
