@@ -1,8 +1,6 @@
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -12,13 +10,7 @@ from cache_store import IncompleteCacheError
 from diffsynth_core.training.metrics import read_metrics
 from stages import preprocess, train
 
-RUN_TRAIN = """
-import sys
-from pathlib import Path
-from stages import train
-from stages.demo import demo_config
-train.run(demo_config(Path(sys.argv[1]), overrides=sys.argv[2:]))
-"""
+from .sigkill import train_until_first_checkpoint
 
 
 def _overrides(cfg, *extra):
@@ -42,15 +34,7 @@ def test_a_sigkilled_training_resumes_to_the_same_lora_bit_for_bit(make_config, 
     reference = make_config(*steps, f"output.path={tmp_path / 'reference'}")
     train.run(reference)
 
-    proc = subprocess.Popen([sys.executable, "-c", RUN_TRAIN, str(tmp_path), *_overrides(cfg, *steps)],
-                            cwd=os.getcwd(), stderr=subprocess.DEVNULL)
-    latest = cfg.output_dir / "checkpoints" / "latest"
-    deadline = time.time() + 120
-    while not latest.exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    killed_at = int(latest.read_text().strip().split("-")[1])
+    killed_at = train_until_first_checkpoint(tmp_path, _overrides(cfg, *steps), cfg.output_dir)
     assert 5 <= killed_at < 40, killed_at
 
     summary = train.run(cfg)

@@ -1,12 +1,6 @@
 """Batches over a real mixed-shape cache (the demo: 96x96 and 128x96 images, tiny Qwen-Image), caption
 dropout from the cached empty prompt, EMA exports, and a SIGKILL + resume of all of it."""
 
-import os
-import signal
-import subprocess
-import sys
-import time
-
 import pytest
 from safetensors.torch import load_file
 
@@ -17,21 +11,17 @@ from stages import preprocess, train
 from stages.demo import demo_config
 from stages.train import CachedSamples
 
+from .sigkill import train_until_first_checkpoint
+
 BUCKETS = {"16x1x12x12", "16x1x12x16"}  # latents of the two image sizes
-RUN_TRAIN = """
-import sys
-from pathlib import Path
-from stages import train
-from stages.demo import demo_config
-train.run(demo_config(Path(sys.argv[1]), overrides=sys.argv[2:]))
-"""
 
 
 @pytest.fixture(scope="module")
 def cached(demo_assets, tmp_path_factory):
     """One preprocessed cache for the module; each test trains into its own output folder."""
     root = tmp_path_factory.mktemp("batches")
-    base = [f"dataset.base_path={demo_assets / 'dataset'}", f"dataset.metadata_path={demo_assets / 'dataset' / 'metadata.csv'}",
+    dataset = demo_assets / "dataset"
+    base = [f"dataset.base_path={dataset}", f"dataset.metadata_path={dataset / 'metadata.csv'}",
             f"model.path={demo_assets / 'model'}", f"cache.url={root / 'cache.zarr'}", "preprocess.parts=1"]
 
     def build(name, *overrides):
@@ -77,15 +67,7 @@ def test_a_sigkilled_run_with_buckets_dropout_and_ema_resumes_bit_for_bit(cached
                                     ("dataset.metadata_path", cfg.dataset.metadata_path),
                                     ("model.path", cfg.model.path), ("cache.url", cfg.cache_url),
                                     ("output.path", cfg.output.path))]
-    proc = subprocess.Popen([sys.executable, "-c", RUN_TRAIN, str(tmp_path), *args, *options],
-                            cwd=os.getcwd(), stderr=subprocess.DEVNULL)
-    latest = cfg.output_dir / "checkpoints" / "latest"
-    deadline = time.time() + 120
-    while not latest.exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    killed_at = int(latest.read_text().strip().split("-")[1])
+    killed_at = train_until_first_checkpoint(tmp_path, [*args, *options], cfg.output_dir)
     assert 2 <= killed_at < 12, killed_at
 
     summary = train.run(cfg)
@@ -99,3 +81,14 @@ def test_a_sigkilled_run_with_buckets_dropout_and_ema_resumes_bit_for_bit(cached
     assert [r["step"] for r in rows] == [str(s) for s in range(1, 13)]
     assert [(r["loss"], r["samples"], r["bucket"]) for r in rows] == \
         [(r["loss"], r["samples"], r["bucket"]) for r in expected_rows]
+
+
+@pytest.mark.parametrize("override, key", [("train.caption_dropout=1.5", "train.caption_dropout"),
+                                           ("train.ema_decay=1", "train.ema_decay"),
+                                           ("train.batch_size=0", "train.batch_size"),
+                                           ("train.timestep_sampling='bogus'", "train.timestep_sampling")])
+def test_bad_batch_dropout_ema_and_schedule_values_name_their_key(override, key):
+    from stages.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        build_config({}, [override])

@@ -98,3 +98,19 @@ def test_diffsynth_sampling_reaches_every_grid_point_in_full_precision():
 def test_unknown_scheme_names_the_choices():
     with pytest.raises(ValueError, match="logit_normal"):
         fm.sample_sigmas(1, "bogus", torch.Generator())
+
+
+def test_auto_resolves_to_the_family_default_and_diffsynth_needs_a_template():
+    from diffsynth_core.errors import InputError
+    from diffsynth_core.models import get_family
+    from diffsynth_core.training.loop import Schedule
+    from stages.config import TrainSection
+
+    from .toy import TOY_SPEC
+
+    qwen = Schedule.resolve(TrainSection(), get_family("qwen_image"))
+    assert (qwen.sampling, qwen.weighting, qwen.template) == ("diffsynth", "diffsynth", "Qwen-Image")
+    assert Schedule.resolve(TrainSection(timestep_sampling="shift"), get_family("flux")).sampling == "shift"
+    assert Schedule.resolve(TrainSection(), TOY_SPEC).sampling == "uniform"  # FamilySpec's own default
+    with pytest.raises(InputError, match="toy"):
+        Schedule.resolve(TrainSection(loss_weighting="diffsynth"), TOY_SPEC)
