@@ -298,7 +298,8 @@ class PartStore:
         missing = self.missing_keys() if wanted is not None else []
         return {
             "url": self.url, "backend": self.backend, "fingerprint": self.fingerprint,
-            "entries": len(self._index), "parts": len(self._parts),
+            "entries": len(self.keys()), "aux_entries": len(self._index) - len(self.keys()),
+            "parts": len(self._parts),
             "bytes": sum(files.values()), "files": len(files),
             "tensor_bytes": sum(rec["nbytes"] for _, rec in self._index.values()),
             "dataset_keys": None if wanted is None else len(wanted), "missing": len(missing),
