@@ -9,6 +9,7 @@ from diffsynth_core.errors import InputError
 from diffsynth_core.training.metrics import read_metrics
 from stages import preprocess, train
 from stages.demo import demo_config
+from stages.keys import empty_prompt_key
 from stages.train import CachedSamples
 
 from .sigkill import train_until_first_checkpoint
@@ -45,16 +46,19 @@ def test_a_mixed_shape_cache_trains_in_batches_of_one_bucket(cached, batch_size)
     assert {r["bucket"] for r in rows} == BUCKETS  # one bucket per step, both trained
 
 
-def test_caption_dropout_needs_the_empty_prompt_this_cache_holds(cached):
+def test_caption_dropout_trains_on_the_empty_prompt_stage_1_stored_once(cached, tmp_path):
     cfg = cached("dropout", "train.caption_dropout=0.5")
     store = open_cache(cfg.cache_url)
-    key = preprocess.empty_prompt_key(cfg, train.get_family("qwen_image"))
+    key = empty_prompt_key(cfg, store.fingerprint)
     assert store.has(key) and key not in store.keys()  # an auxiliary entry: stored once, no sample
-    assert store.get(key)["meta"]["prompt"] == ""
-    other = cached("dropout-other", "train.caption_dropout=0.5", "preprocess.max_sequence_length=64")
-    with pytest.raises(InputError, match="empty prompt"):  # encoded with other settings: not this one
-        train.run(other)
-    assert not (other.output_dir / "checkpoints").exists()
+    assert store.get(key)["meta"]["prompt"] == "" and store.stats()["aux_entries"] == 1
+    # Only part 0 of a cache's writers encodes it: a cache of part 1 alone (trained with allow_partial) lacks it.
+    partial = cached("dropout-partial", "train.caption_dropout=0.5", "preprocess.parts=2", "cache.allow_partial=true",
+                     f"cache.url={tmp_path / 'part1.zarr'}")
+    preprocess.run(partial, 1)
+    with pytest.raises(InputError, match="empty prompt"):
+        train.run(partial)
+    assert not (partial.output_dir / "checkpoints").exists()
 
 
 def test_a_sigkilled_run_with_buckets_dropout_and_ema_resumes_bit_for_bit(cached, tmp_path):

@@ -105,9 +105,9 @@ def test_caption_dropout_replaces_about_p_of_the_prompts_by_the_empty_one(tmp_pa
 
     spec = replace(TOY_PADDED_SPEC, dit_forward=recording_forward)
     empty = {"prompt_embeds": torch.full((1, 4), -7.0), "prompt_mask": torch.ones(1, dtype=torch.long)}
-    train = TrainSection(lora_rank=2, max_steps=100, batch_size=4, caption_dropout=0.25, seed=2,
+    train = TrainSection(lora_rank=2, max_steps=50, batch_size=8, caption_dropout=0.25, seed=2,
                          gradient_checkpointing=False, save_steps=0)
-    Trainer(spec, ToyDiT(), mixed_toy_samples(8), train, OffloadSection(), tmp_path, progress=False,
+    Trainer(spec, ToyDiT(), mixed_toy_samples(16), train, OffloadSection(), tmp_path, progress=False,
             empty_prompt=empty).fit()
     assert len(seen) == 400 and 0.19 < sum(seen) / 400 < 0.31  # binomial(400, 0.25): sd 0.022
     with pytest.raises(InputError, match="empty prompt"):
