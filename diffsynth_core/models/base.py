@@ -13,6 +13,10 @@ Tensor conventions shared by every family (batch size 1 inside the cache):
 * ``encode_pixels`` takes pixels ``(3, F, H, W)`` in ``[-1, 1]`` (``F == 1`` for images,
   ``F = frame_multiple*k + 1`` for video) and returns ``{"latents": (C, f, h, w)}`` -- always 4-D,
   images too (``f == 1``) -- the VAE posterior mode, normalised the family's way, no batch dim.
+* ``encode_prompts`` / ``encode_pixel_batch`` are the batched forms stage 1 uses: a list of
+  prompts, or pixels ``(B, 3, F, H, W)`` of one shape, give one dict per sample, shaped as the
+  one-at-a-time functions give them (which are these with a batch of one).  Values equal
+  one-at-a-time encoding up to the kernels' batch dependence (padding, algorithm choice).
 * ``dit_forward`` takes batched latents ``(B, C, f, h, w)`` and sigmas ``(B,)`` in ``[0, 1]`` plus
   the batched prompt-side tensors, and returns the flow-matching velocity prediction (target
   ``noise - x0``) in the latents' layout, in the transformer's dtype (packing/unpacking and
@@ -61,6 +65,16 @@ class FamilySpec:
     save_tiny_model: Callable[[Path, int], Path]
     # Name of the diffusers pipeline class that loads the folder (validation, reload tests).
     pipeline_class_name: str
+    # --- stage 1, batched (optional: stage 1 falls back to load_components and the functions above)
+    # load_encoders(path, dtype) -> Components : only what encoding reads, on the CPU (no LM head,
+    # vision tower or VAE decoder)
+    load_encoders: Callable[[Path, torch.dtype], Components] | None = None
+    # encode_prompts(components, prompts, device, *, max_sequence_length) -> [encode_prompt result, ...]
+    encode_prompts: Callable[..., list[dict[str, torch.Tensor]]] | None = None
+    # encode_pixel_batch(components, pixels (B, 3, F, H, W), device) -> [encode_pixels result, ...]
+    encode_pixel_batch: Callable[[Components, torch.Tensor, str], list[dict[str, torch.Tensor]]] | None = None
+    # vae_encode_bytes(frames, height, width) -> peak activation bytes of one bf16 VAE encode
+    vae_encode_bytes: Callable[[int, int, int], int] | None = None
     # Extra, family-specific notes (e.g. default guidance); never read by engines.
     extras: Mapping[str, Any] = field(default_factory=dict)
     # --- without weights: benchmarks and tests -------------------------------------------------

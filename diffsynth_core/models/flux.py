@@ -19,9 +19,10 @@ from typing import Any, Mapping
 
 import torch
 
-from . import lora_export, single_file, tiny_tokenizers
+from . import encoders, lora_export, single_file, tiny_tokenizers
 from .base import Components, FamilySpec
-from .inputs import check_pixels, prompt_length
+from .inputs import check_pixel_batch, check_pixels, prompt_length
+from .loading import load_component
 from .loading import load_components as _load_components
 from .loading import MODEL_INIT_LOCK, module_dtype, unwrap
 from .random_models import build_random_transformer, random_tensor
@@ -100,6 +101,14 @@ def load_components(path: Path, names: tuple[str, ...], dtype: torch.dtype, devi
     return _load_components(path, names, dtype, device, allowed=ENCODER_COMPONENTS + ("transformer",))
 
 
+def load_encoders(path: Path, dtype: torch.dtype) -> Components:
+    """What encoding reads, on the CPU: CLIP-L, T5 (already encoder-only), both tokenizers, the VAE
+    without its decoder."""
+    comps = {name: load_component(path, name, dtype) for name in ENCODER_COMPONENTS}
+    comps["vae"] = encoders.without_decoder(comps["vae"])
+    return comps
+
+
 def _convert_bfl(state_dict: single_file.StateDict) -> single_file.StateDict:
     """Original BFL names (double_blocks.N.img_attn.qkv ...) -> diffusers, with diffusers' converter.
 
@@ -118,28 +127,46 @@ def load_transformer_file(file: Path, config_dir: Path, dtype: torch.dtype) -> t
 
 # --- encoding ------------------------------------------------------------------------------
 
-def encode_prompt(components: Components, prompt: str, device: str, *,
-                  max_sequence_length: int | None = None) -> dict[str, torch.Tensor]:
-    """``FluxPipeline.encode_prompt`` for one prompt (T5 padded to the max length), no batch dim."""
+def encode_prompts(components: Components, prompts: list[str], device: str, *,
+                   max_sequence_length: int | None = None) -> list[dict[str, torch.Tensor]]:
+    """``FluxPipeline.encode_prompt`` for a batch (T5 padded to the max length), one dict per prompt."""
     tokenizer_2 = components["tokenizer_2"]
     max_sequence_length = prompt_length(tokenizer_2, max_sequence_length, DEFAULT_MAX_SEQUENCE_LENGTH)
     pipe = _pipeline_cls()(scheduler=None, vae=None, text_encoder=components["text_encoder"],
                            tokenizer=components["tokenizer"], text_encoder_2=components["text_encoder_2"],
                            tokenizer_2=tokenizer_2, transformer=None)
     with torch.no_grad():
-        embeds, pooled, _ = pipe.encode_prompt(prompt, prompt_2=None, device=torch.device(device),
+        embeds, pooled, _ = pipe.encode_prompt(list(prompts), prompt_2=None, device=torch.device(device),
                                                max_sequence_length=max_sequence_length)
-    return {"prompt_embeds": embeds[0], "pooled_prompt_embeds": pooled[0]}
+    return [{"prompt_embeds": embeds[i], "pooled_prompt_embeds": pooled[i]} for i in range(len(prompts))]
+
+
+def encode_prompt(components: Components, prompt: str, device: str, *,
+                  max_sequence_length: int | None = None) -> dict[str, torch.Tensor]:
+    """``FluxPipeline.encode_prompt`` for one prompt (T5 padded to the max length), no batch dim."""
+    return encode_prompts(components, [prompt], device, max_sequence_length=max_sequence_length)[0]
+
+
+def encode_pixel_batch(components: Components, pixels: torch.Tensor, device: str) -> list[dict[str, torch.Tensor]]:
+    """VAE posterior modes of ``(B, 3, 1, H, W)``, ``(z - shift) * scale``: each ``(16, 1, H/8, W/8)``."""
+    check_pixel_batch(pixels, multiple=VAE_SCALE * PATCH, image_only=True)
+    vae = components["vae"]
+    with torch.no_grad():
+        z = vae.encode(pixels[:, :, 0].to(device=device, dtype=vae.dtype)).latent_dist.mode()
+    latents = ((z.float() - vae.config.shift_factor) * vae.config.scaling_factor).to(vae.dtype)
+    return [{"latents": one[:, None]} for one in latents]
 
 
 def encode_pixels(components: Components, pixels: torch.Tensor, device: str) -> dict[str, torch.Tensor]:
     """VAE posterior mode, ``(z - shift) * scale``: ``(16, 1, H/8, W/8)``."""
     check_pixels(pixels, multiple=VAE_SCALE * PATCH, image_only=True)
-    vae = components["vae"]
-    with torch.no_grad():
-        z = vae.encode(pixels[:, 0][None].to(device=device, dtype=vae.dtype)).latent_dist.mode()
-    latents = (z.float() - vae.config.shift_factor) * vae.config.scaling_factor
-    return {"latents": latents.to(vae.dtype)[0][:, None]}
+    return encode_pixel_batch(components, pixels[None], device)[0]
+
+
+def vae_encode_bytes(frames: int, height: int, width: int) -> int:
+    """Peak activation bytes of one bf16 VAE encode (weights excluded), measured on the released
+    layout: ~1280 bytes per pixel."""
+    return 1280 * height * width
 
 
 # --- training forward ------------------------------------------------------------------------
@@ -206,6 +233,10 @@ SPEC = FamilySpec(
     load_transformer_file=load_transformer_file,
     encode_prompt=encode_prompt,
     encode_pixels=encode_pixels,
+    load_encoders=load_encoders,
+    encode_prompts=encode_prompts,
+    encode_pixel_batch=encode_pixel_batch,
+    vae_encode_bytes=vae_encode_bytes,
     dit_forward=dit_forward,
     export_lora=export_lora,
     save_tiny_model=save_tiny_model,

@@ -25,3 +25,10 @@ def prompt_length(tokenizer, requested: int | None, family_default: int) -> int:
     """The requested max prompt length, else the family's default capped at the tokenizer's limit
     (tiny test tokenizers allow far fewer tokens than the released ones)."""
     return requested if requested is not None else min(family_default, tokenizer.model_max_length)
+
+
+def check_pixel_batch(pixels: torch.Tensor, **rules) -> None:
+    """A batch ``(B, 3, F, H, W)`` of equally shaped samples, each passing ``check_pixels``."""
+    if pixels.ndim != 5 or pixels.shape[0] < 1:
+        raise ValueError(f"a pixel batch must be (B, 3, F, H, W), got {tuple(pixels.shape)}")
+    check_pixels(pixels[0], **rules)

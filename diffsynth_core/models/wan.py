@@ -18,10 +18,11 @@ from typing import Any, Mapping
 
 import torch
 
-from . import lora_export, single_file, tiny_tokenizers
+from . import encoders, lora_export, single_file, tiny_tokenizers
 from .base import Components, FamilySpec
-from .inputs import check_pixels, prompt_length
-from .latents import per_channel_normalised_mode
+from .inputs import check_pixel_batch, check_pixels, prompt_length
+from .latents import per_channel_normalised_modes
+from .loading import load_component
 from .loading import load_components as _load_components
 from .loading import MODEL_INIT_LOCK, module_dtype
 from .random_models import build_random_transformer, random_tensor
@@ -125,6 +126,14 @@ def load_components(path: Path, names: tuple[str, ...], dtype: torch.dtype, devi
     return _load_components(path, names, dtype, device, allowed=ENCODER_COMPONENTS + ("transformer",))
 
 
+def load_encoders(path: Path, dtype: torch.dtype) -> Components:
+    """What encoding reads, on the CPU: UMT5 (already encoder-only), its tokenizer, the VAE without
+    its decoder."""
+    comps = {name: load_component(path, name, dtype) for name in ENCODER_COMPONENTS}
+    comps["vae"] = encoders.without_decoder(comps["vae"])
+    return comps
+
+
 def _convert_native(state_dict: single_file.StateDict) -> single_file.StateDict:
     from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 
@@ -140,23 +149,42 @@ def load_transformer_file(file: Path, config_dir: Path, dtype: torch.dtype) -> t
 
 # --- encoding ------------------------------------------------------------------------------
 
-def encode_prompt(components: Components, prompt: str, device: str, *,
-                  max_sequence_length: int | None = None) -> dict[str, torch.Tensor]:
-    """``WanPipeline.encode_prompt`` (no CFG) for one prompt, zero-padded to the max length, no batch dim."""
+def encode_prompts(components: Components, prompts: list[str], device: str, *,
+                   max_sequence_length: int | None = None) -> list[dict[str, torch.Tensor]]:
+    """``WanPipeline.encode_prompt`` (no CFG) for a batch, each zero-padded to the max length."""
     tokenizer = components["tokenizer"]
     max_sequence_length = prompt_length(tokenizer, max_sequence_length, DEFAULT_MAX_SEQUENCE_LENGTH)
     pipe = _pipeline_cls()(tokenizer=tokenizer, text_encoder=components["text_encoder"], vae=None,
                            scheduler=None, transformer=None)
     with torch.no_grad():
-        embeds, _ = pipe.encode_prompt(prompt, do_classifier_free_guidance=False, device=torch.device(device),
-                                       max_sequence_length=max_sequence_length)
-    return {"prompt_embeds": embeds[0]}
+        embeds, _ = pipe.encode_prompt(list(prompts), do_classifier_free_guidance=False,
+                                       device=torch.device(device), max_sequence_length=max_sequence_length)
+    return [{"prompt_embeds": one} for one in embeds]
+
+
+def encode_prompt(components: Components, prompt: str, device: str, *,
+                  max_sequence_length: int | None = None) -> dict[str, torch.Tensor]:
+    """``WanPipeline.encode_prompt`` (no CFG) for one prompt, zero-padded to the max length, no batch dim."""
+    return encode_prompts(components, [prompt], device, max_sequence_length=max_sequence_length)[0]
+
+
+def encode_pixel_batch(components: Components, pixels: torch.Tensor, device: str) -> list[dict[str, torch.Tensor]]:
+    """VAE posterior modes of ``(B, 3, F, H, W)``, normalised per channel: each ``(16, (F-1)/4+1, H/8, W/8)``."""
+    check_pixel_batch(pixels, multiple=VAE_SCALE * PATCH, frame_multiple=FRAME_MULTIPLE)
+    return [{"latents": z} for z in per_channel_normalised_modes(components["vae"], pixels, device)]
 
 
 def encode_pixels(components: Components, pixels: torch.Tensor, device: str) -> dict[str, torch.Tensor]:
     """VAE posterior mode, normalised per channel: ``(16, (F-1)/4+1, H/8, W/8)``."""
     check_pixels(pixels, multiple=VAE_SCALE * PATCH, frame_multiple=FRAME_MULTIPLE)
-    return {"latents": per_channel_normalised_mode(components["vae"], pixels, device)}
+    return encode_pixel_batch(components, pixels[None], device)[0]
+
+
+def vae_encode_bytes(frames: int, height: int, width: int) -> int:
+    """Peak activation bytes of one bf16 VAE encode (weights excluded), measured on the released
+    layout: ~1530 bytes per pixel of a 5-frame window, whatever the length (the causal VAE
+    encodes 4 frames at a time, caching only the last ones)."""
+    return 1530 * height * width * min(frames, 5)
 
 
 # --- training forward ------------------------------------------------------------------------
@@ -212,6 +240,10 @@ SPEC = FamilySpec(
     load_transformer_file=load_transformer_file,
     encode_prompt=encode_prompt,
     encode_pixels=encode_pixels,
+    load_encoders=load_encoders,
+    encode_prompts=encode_prompts,
+    encode_pixel_batch=encode_pixel_batch,
+    vae_encode_bytes=vae_encode_bytes,
     dit_forward=dit_forward,
     export_lora=export_lora,
     save_tiny_model=save_tiny_model,

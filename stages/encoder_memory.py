@@ -1,0 +1,185 @@
+"""Where stage 1's encoders live on one device, within ``preprocess.vram_budget_gb``.
+
+Resident (``offload_encoders = false``): every encoder on the device.  Offloaded: the text
+towers (every component with token embeddings: Qwen2.5-VL's decoder, T5-XXL, umT5-XXL, CLIP)
+are streamed block by block by the offload engine, and their token-embedding tables stay in
+host memory, where the lookup runs (only the looked-up rows cross PCIe: umT5's table alone is
+2.1 GB); the VAE's encoder stays on the device.  With a budget, what is left after the resident pieces, the
+streaming slots and the VAE's activations keeps that many text blocks resident too.
+
+The VAE's activations are estimated from the family's measured bytes per pixel
+(``vae_encode_bytes``): a sample whose estimate exceeds half the budget is encoded in tiles
+(``vae_tile``; the tile goes into the cache key, since tiling changes the latents), and pixel
+batches are split so each VAE call fits what the budget leaves.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from diffsynth_core.models import FamilySpec
+
+GIB = 2**30
+VAE_SAFETY = 1.25  # measured activation bytes are CPU figures; CUDA adds workspaces and fragments
+VAE_SHARE = 0.5    # at most this share of the budget goes to one VAE call before tiling kicks in
+TILES = (1024, 768, 512, 384, 256)  # pixel tile sizes tried, largest first
+FORCED_TILE = 512  # vae_tiling = true without a budget
+
+
+class HostEmbedding(nn.Module):
+    """An ``nn.Embedding`` whose table stays in host memory: the lookup runs on the CPU and only
+    the looked-up rows travel to the device.  The table is a plain attribute, not a parameter,
+    so nothing that moves parameters (``.to()``, the offload engine) ever copies it."""
+
+    def __init__(self, embedding: nn.Embedding):
+        super().__init__()
+        self.table = embedding.weight.detach()
+        self.padding_idx = embedding.padding_idx
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = F.embedding(ids.cpu(), self.table, self.padding_idx)
+        return rows.to(ids.device)
+
+
+def module_bytes(module: nn.Module) -> int:
+    seen, total = set(), 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def is_text_tower(module: nn.Module) -> bool:
+    """A transformers model with token embeddings (what gets streamed when offloading)."""
+    get = getattr(module, "get_input_embeddings", None)
+    try:
+        return isinstance(get() if get else None, nn.Embedding)
+    except NotImplementedError:
+        return False
+
+
+def keep_embeddings_on_host(module: nn.Module) -> int:
+    """Swap the token-embedding modules of a text tower (every one holding its table: T5 ties
+    ``shared`` and ``encoder.embed_tokens``) for one ``HostEmbedding``; returns its bytes."""
+    table = module.get_input_embeddings()
+    if type(table) is not nn.Embedding or table.max_norm is not None:
+        return 0
+    host = HostEmbedding(table)
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Embedding) and child.weight is table.weight:
+                setattr(parent, name, host)
+    return host.table.numel() * host.table.element_size()
+
+
+def vae_tile(spec: FamilySpec, budget_gb: float, tiling, frames: int, pixels: int, itemsize: int = 2) -> int | None:
+    """The tile (pixels per side) a sample of ``frames`` x ``pixels`` is VAE-encoded in, or None.
+
+    A pure function of the config and the sample size, so the cache key can record it.
+    ``tiling`` is ``preprocess.vae_tiling``: False never tiles, True always does, "auto" tiles
+    when one untiled encode would need more than half of ``budget_gb``.  ``itemsize``: bytes per
+    element of the VAE's dtype (the family's figures are for bf16).
+    """
+    if tiling is False or spec.vae_encode_bytes is None:
+        return None
+    if not budget_gb:
+        return FORCED_TILE if tiling is True else None
+    allowed = budget_gb * GIB * VAE_SHARE
+    side = int(math.isqrt(pixels))
+    if tiling == "auto" and _vae_bytes(spec, frames, side, side, itemsize) <= allowed:
+        return None
+    for tile in TILES:
+        if tile < side and _vae_bytes(spec, frames, tile, tile, itemsize) <= allowed:
+            return tile
+    return TILES[-1] if TILES[-1] < side else None
+
+
+def _vae_bytes(spec: FamilySpec, frames: int, height: int, width: int, itemsize: int = 2) -> float:
+    return spec.vae_encode_bytes(frames, height, width) * VAE_SAFETY * itemsize / 2
+
+
+@dataclass
+class Placement:
+    """Encoders placed on ``device``: the offload managers to detach at the end, and how many
+    bytes of VAE activations one call may use (None: no limit)."""
+
+    device: torch.device
+    itemsize: int = 2  # of the encoders' dtype
+    managers: list = field(default_factory=list)
+    vae_bytes_allowed: float | None = None
+    report: dict = field(default_factory=dict)
+
+    def pixels_per_call(self, spec: FamilySpec, frames: int, height: int, width: int, tile: int | None) -> int:
+        """How many samples of this shape one VAE call may take (at least one)."""
+        if self.vae_bytes_allowed is None or spec.vae_encode_bytes is None:
+            return 1 << 30
+        h, w = (min(height, tile), min(width, tile)) if tile else (height, width)
+        return max(1, int(self.vae_bytes_allowed // _vae_bytes(spec, frames, h, w, self.itemsize)))
+
+    def close(self) -> None:
+        for manager in self.managers:
+            manager.detach()
+        self.managers.clear()
+
+
+def place_encoders(components: dict, spec: FamilySpec, device: torch.device, stream: bool,
+                   budget_gb: float, tiling, largest_sample: tuple[int, int], itemsize: int) -> Placement:
+    """Put ``components`` on ``device``: resident, or streamed (see the module doc).
+
+    ``largest_sample`` = (frames, pixels) of the biggest sample the config allows: the VAE's
+    reserve when splitting the budget between text blocks and VAE activations.
+    """
+    from diffsynth_core.offload import OffloadTrainingManager
+
+    modules = {n: c for n, c in components.items() if isinstance(c, nn.Module)}
+    for module in modules.values():
+        module.eval().requires_grad_(False)  # frozen: the engine streams only frozen weights
+    streamed = {n: m for n, m in modules.items() if stream and is_text_tower(m)}
+    placement = Placement(device, itemsize)
+    resident = 0
+    for name, module in modules.items():
+        if name not in streamed:
+            module.to(device)
+            resident += module_bytes(module)
+    host_tables = sum(keep_embeddings_on_host(m) for m in streamed.values())
+    budget = budget_gb * GIB
+    vae_reserve = _vae_reserve(spec, budget_gb, tiling, largest_sample, itemsize)
+    for module in streamed.values():
+        largest, outside = _block_sizes(module)
+        floor = 2 * largest + outside  # two slots (prefetch 1) and what stays outside the blocks
+        blocks_gb = max(0.0, budget - resident - floor - vae_reserve) / GIB if budget else 0.0
+        manager = OffloadTrainingManager(module, device, vram_budget_gb=blocks_gb)
+        placement.managers.append(manager)
+        info = manager.report()  # resident for good: all but the streamed units, plus the slots
+        resident += module_bytes(module) - info["streamed_bytes"] + info["slots"] * largest
+    if budget:
+        placement.vae_bytes_allowed = max(budget - resident, 0)
+    placement.report = {"resident_bytes": resident, "host_embedding_bytes": host_tables,
+                        "streamed": sorted(streamed), "vae_bytes_allowed": placement.vae_bytes_allowed}
+    return placement
+
+
+def _vae_reserve(spec: FamilySpec, budget_gb: float, tiling, largest_sample: tuple[int, int],
+                 itemsize: int) -> float:
+    """VAE activation bytes kept free for one call on the largest sample (tiled if it will be)."""
+    if not budget_gb or spec.vae_encode_bytes is None:
+        return 0.0
+    frames, pixels = largest_sample
+    tile = vae_tile(spec, budget_gb, tiling, frames, pixels, itemsize)
+    side = tile or int(math.isqrt(pixels))
+    return _vae_bytes(spec, frames, side, side, itemsize)
+
+
+def _block_sizes(module: nn.Module) -> tuple[int, int]:
+    """(bytes of the largest block, bytes outside the blocks) of a module the engine streams."""
+    from diffsynth_core.offload.units import find_block_containers
+
+    blocks = [b for _, cont in find_block_containers(module, None) for b in cont.children()]
+    sizes = [module_bytes(b) for b in blocks]
+    return max(sizes, default=0), module_bytes(module) - sum(sizes)
