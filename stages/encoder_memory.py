@@ -8,7 +8,7 @@ host memory, where the lookup runs (only the looked-up rows cross PCIe: umT5's t
 streaming slots and the VAE's activations keeps that many text blocks resident too.
 
 The VAE's activations are estimated from the family's measured bytes per pixel
-(``vae_encode_bytes``): a sample whose estimate exceeds half the budget is encoded in tiles
+(``vae_encode_bytes``): a sample whose estimate exceeds 60 % of the budget is encoded in tiles
 (``vae_tile``; the tile goes into the cache key, since tiling changes the latents), and pixel
 batches are split so each VAE call fits what the budget leaves.
 """
@@ -26,7 +26,7 @@ from diffsynth_core.models import FamilySpec
 
 GIB = 2**30
 VAE_SAFETY = 1.25  # measured activation bytes are CPU figures; CUDA adds workspaces and fragments
-VAE_SHARE = 0.5    # at most this share of the budget goes to one VAE call before tiling kicks in
+VAE_SHARE = 0.6    # at most this share of the budget goes to one VAE call before tiling kicks in
 TILES = (1024, 768, 512, 384, 256)  # pixel tile sizes tried, largest first
 FORCED_TILE = 512  # vae_tiling = true without a budget
 
@@ -78,26 +78,28 @@ def keep_embeddings_on_host(module: nn.Module) -> int:
     return host.table.numel() * host.table.element_size()
 
 
-def vae_tile(spec: FamilySpec, budget_gb: float, tiling, frames: int, pixels: int, itemsize: int = 2) -> int | None:
-    """The tile (pixels per side) a sample of ``frames`` x ``pixels`` is VAE-encoded in, or None.
+def vae_tile(spec: FamilySpec, budget_gb: float, tiling, frames: int, height: int, width: int, *,
+             exact_size: bool = True, itemsize: int = 2) -> int | None:
+    """The tile (pixels per side) a sample is VAE-encoded with, or None for no tiling.
 
-    A pure function of the config and the sample size, so the cache key can record it.
+    A pure function of the config and the sample's size, so the cache key can record it.
     ``tiling`` is ``preprocess.vae_tiling``: False never tiles, True always does, "auto" tiles
-    when one untiled encode would need more than half of ``budget_gb``.  ``itemsize``: bytes per
+    when one untiled encode would need more than 60 % of ``budget_gb``.  The VAE cuts tiles when
+    the height or the width exceeds the tile; with ``exact_size`` (a still image of known size) a
+    tile that would cut nothing is None, while for a size bound (videos, known only after
+    decoding) the tile is the setting the sample is encoded with.  ``itemsize``: bytes per
     element of the VAE's dtype (the family's figures are for bf16).
     """
     if tiling is False or spec.vae_encode_bytes is None:
         return None
-    if not budget_gb:
-        return FORCED_TILE if tiling is True else None
-    allowed = budget_gb * GIB * VAE_SHARE
-    side = int(math.isqrt(pixels))
-    if tiling == "auto" and _vae_bytes(spec, frames, side, side, itemsize) <= allowed:
+    allowed = budget_gb * GIB * VAE_SHARE if budget_gb else math.inf
+    if tiling == "auto" and _vae_bytes(spec, frames, height, width, itemsize) <= allowed:
         return None
-    for tile in TILES:
-        if tile < side and _vae_bytes(spec, frames, tile, tile, itemsize) <= allowed:
-            return tile
-    return TILES[-1] if TILES[-1] < side else None
+    fitting = [t for t in TILES if _vae_bytes(spec, frames, min(height, t), min(width, t), itemsize) <= allowed]
+    tile = FORCED_TILE if not budget_gb else (fitting[0] if fitting else TILES[-1])
+    if exact_size and max(height, width) <= tile:
+        return None
+    return tile
 
 
 def _vae_bytes(spec: FamilySpec, frames: int, height: int, width: int, itemsize: int = 2) -> float:
@@ -129,10 +131,10 @@ class Placement:
 
 
 def place_encoders(components: dict, spec: FamilySpec, device: torch.device, stream: bool,
-                   budget_gb: float, tiling, largest_sample: tuple[int, int], itemsize: int) -> Placement:
+                   budget_gb: float, tiling, largest_sample: tuple[int, int, int], itemsize: int) -> Placement:
     """Put ``components`` on ``device``: resident, or streamed (see the module doc).
 
-    ``largest_sample`` = (frames, pixels) of the biggest sample the config allows: the VAE's
+    ``largest_sample`` = (frames, height, width) bounding the samples the config allows: the VAE's
     reserve when splitting the budget between text blocks and VAE activations.
     """
     from diffsynth_core.offload import OffloadTrainingManager
@@ -165,15 +167,14 @@ def place_encoders(components: dict, spec: FamilySpec, device: torch.device, str
     return placement
 
 
-def _vae_reserve(spec: FamilySpec, budget_gb: float, tiling, largest_sample: tuple[int, int],
+def _vae_reserve(spec: FamilySpec, budget_gb: float, tiling, largest_sample: tuple[int, int, int],
                  itemsize: int) -> float:
     """VAE activation bytes kept free for one call on the largest sample (tiled if it will be)."""
     if not budget_gb or spec.vae_encode_bytes is None:
         return 0.0
-    frames, pixels = largest_sample
-    tile = vae_tile(spec, budget_gb, tiling, frames, pixels, itemsize)
-    side = tile or int(math.isqrt(pixels))
-    return _vae_bytes(spec, frames, side, side, itemsize)
+    frames, height, width = largest_sample
+    tile = vae_tile(spec, budget_gb, tiling, frames, height, width, exact_size=False, itemsize=itemsize)
+    return _vae_bytes(spec, frames, min(height, tile or height), min(width, tile or width), itemsize)
 
 
 def _block_sizes(module: nn.Module) -> tuple[int, int]:

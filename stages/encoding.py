@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,11 +100,14 @@ def _set_tiling(vae, tile: int | None) -> None:
         vae.disable_tiling()
 
 
-def largest_sample(cfg: RunConfig) -> tuple[int, int]:
-    """(frames, pixels) of the largest sample the dataset settings allow."""
+def size_bound(cfg: RunConfig) -> tuple[int, int, int]:
+    """(frames, height, width) bounding the samples the dataset settings allow: the fixed size,
+    else a square of ``max_pixels`` (VAE memory grows with height x width, not the aspect)."""
     section = cfg.dataset
-    pixels = section.height * section.width if section.height and section.width else section.max_pixels
-    return section.num_frames, pixels
+    if section.height and section.width:
+        return section.num_frames, section.height, section.width
+    side = math.isqrt(section.max_pixels)
+    return section.num_frames, side, side
 
 
 def load_encoders(cfg: RunConfig, spec: FamilySpec, device: torch.device) -> Encoders:
@@ -116,7 +120,7 @@ def load_encoders(cfg: RunConfig, spec: FamilySpec, device: torch.device) -> Enc
     offload = cfg.preprocess.offload_encoders
     stream = device.type == "cuda" if offload == "auto" else bool(offload)
     placement = place_encoders(components, spec, device, stream, cfg.preprocess.vram_budget_gb,
-                               cfg.preprocess.vae_tiling, largest_sample(cfg), dtype.itemsize)
+                               cfg.preprocess.vae_tiling, size_bound(cfg), dtype.itemsize)
     log.info("encoders of %s on %s: %s", spec.name, device, placement.report)
     return Encoders(spec, components, placement)
 
@@ -186,7 +190,7 @@ def release_encoders() -> int:
 def _pool_key(cfg: RunConfig, spec: FamilySpec, fingerprint: str, device: torch.device) -> tuple:
     p = cfg.preprocess
     return (spec.name, str(Path(cfg.model.path).resolve()), fingerprint, cfg.model.dtype, p.offload_encoders,
-            p.vram_budget_gb, p.vae_tiling, largest_sample(cfg), str(device))
+            p.vram_budget_gb, p.vae_tiling, size_bound(cfg), str(device))
 
 
 # --- encoding rows into the cache ----------------------------------------------------------------
@@ -194,14 +198,15 @@ def _pool_key(cfg: RunConfig, spec: FamilySpec, fingerprint: str, device: torch.
 def row_tile(cfg: RunConfig, spec: FamilySpec, settings: dict) -> int | None:
     """The VAE tile of a row with decode ``settings`` (``SampleDataset.key_settings``), or None."""
     p = cfg.preprocess
-    if p.vae_tiling is False or (not p.vram_budget_gb and p.vae_tiling != True):  # noqa: E712 - "auto"
+    if p.vae_tiling is False or (not p.vram_budget_gb and p.vae_tiling is not True):
         return None
+    itemsize = model_dtype(cfg).itemsize
     if settings.get("target_size"):  # a still image of known size
         height, width = settings["target_size"]
-        frames, pixels = 1, height * width
-    else:
-        frames, pixels = largest_sample(cfg)
-    return vae_tile(spec, p.vram_budget_gb, p.vae_tiling, frames, pixels, model_dtype(cfg).itemsize)
+        return vae_tile(spec, p.vram_budget_gb, p.vae_tiling, 1, height, width, itemsize=itemsize)
+    frames, height, width = size_bound(cfg)  # known only after decoding: decide from the bound
+    return vae_tile(spec, p.vram_budget_gb, p.vae_tiling, frames, height, width, exact_size=False,
+                    itemsize=itemsize)
 
 
 def row_key_settings(cfg: RunConfig, spec: FamilySpec, settings: dict) -> dict:
