@@ -156,7 +156,8 @@ def place_encoders(components: dict, spec: FamilySpec, device: torch.device, str
         largest, outside = _block_sizes(module)
         floor = 2 * largest + outside  # two slots (prefetch 1) and what stays outside the blocks
         blocks_gb = max(0.0, budget - resident - floor - vae_reserve) / GIB if budget else 0.0
-        manager = OffloadTrainingManager(module, device, vram_budget_gb=blocks_gb)
+        manager = OffloadTrainingManager(module, device, vram_budget_gb=blocks_gb, data_parallel=False,
+                                         share_host_copy=False)  # per process: no collectives
         placement.managers.append(manager)
         info = manager.report()  # resident for good: all but the streamed units, plus the slots
         resident += module_bytes(module) - info["streamed_bytes"] + info["slots"] * largest
