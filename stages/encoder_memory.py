@@ -4,13 +4,14 @@ Resident (``offload_encoders = false``): every encoder on the device.  Offloaded
 towers (every component with token embeddings: Qwen2.5-VL's decoder, T5-XXL, umT5-XXL, CLIP)
 are streamed block by block by the offload engine, and their token-embedding tables stay in
 host memory, where the lookup runs (only the looked-up rows cross PCIe: umT5's table alone is
-2.1 GB); the VAE's encoder stays on the device.  With a budget, what is left after the resident pieces, the
-streaming slots and the VAE's activations keeps that many text blocks resident too.
+2.1 GB); the VAE's encoder stays on the device.  With a budget, what is left after the resident
+pieces, the streaming slots and the VAE's activations keeps that many text blocks resident too.
 
 The VAE's activations are estimated from the family's measured bytes per pixel
-(``vae_encode_bytes``): a sample whose estimate exceeds 60 % of the budget is encoded in tiles
+(``vae_encode_bytes``): a sample whose estimate exceeds 70 % of the budget is encoded in tiles
 (``vae_tile``; the tile goes into the cache key, since tiling changes the latents), and pixel
-batches are split so each VAE call fits what the budget leaves.
+and prompt batches are split so each call fits what the budget leaves (``prompt_encode_bytes``:
+the family's activation bytes per prompt at its padded length).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from torch import nn
 from diffsynth_core.models import FamilySpec
 
 GIB = 2**30
-VAE_SAFETY = 1.25  # measured activation bytes are CPU figures; CUDA adds workspaces and fragments
-VAE_SHARE = 0.6    # at most this share of the budget goes to one VAE call before tiling kicks in
+VAE_SAFETY = 1.4   # measured activation bytes are CPU figures; CUDA adds workspaces and fragments
+VAE_SHARE = 0.7    # at most this share of the budget goes to one VAE call before tiling kicks in
 TILES = (1024, 768, 512, 384, 256)  # pixel tile sizes tried, largest first
 FORCED_TILE = 512  # vae_tiling = true without a budget
 
@@ -65,17 +66,16 @@ def is_text_tower(module: nn.Module) -> bool:
 
 
 def keep_embeddings_on_host(module: nn.Module) -> int:
-    """Swap the token-embedding modules of a text tower (every one holding its table: T5 ties
-    ``shared`` and ``encoder.embed_tokens``) for one ``HostEmbedding``; returns its bytes."""
-    table = module.get_input_embeddings()
-    if type(table) is not nn.Embedding or table.max_norm is not None:
-        return 0
-    host = HostEmbedding(table)
+    """Swap the token-embedding tables of a text tower (every embedding as wide as its vocabulary:
+    T5 holds two, ``shared`` and ``encoder.embed_tokens``, tied or not) for ``HostEmbedding`` s;
+    returns the bytes kept on the host."""
+    vocab = module.get_input_embeddings().num_embeddings
+    hosts: dict[int, HostEmbedding] = {}
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Embedding) and child.weight is table.weight:
-                setattr(parent, name, host)
-    return host.table.numel() * host.table.element_size()
+            if type(child) is nn.Embedding and child.num_embeddings == vocab and child.max_norm is None:
+                setattr(parent, name, hosts.setdefault(id(child.weight), HostEmbedding(child)))
+    return sum(h.table.numel() * h.table.element_size() for h in hosts.values())
 
 
 def vae_tile(spec: FamilySpec, budget_gb: float, tiling, frames: int, height: int, width: int, *,
@@ -84,7 +84,7 @@ def vae_tile(spec: FamilySpec, budget_gb: float, tiling, frames: int, height: in
 
     A pure function of the config and the sample's size, so the cache key can record it.
     ``tiling`` is ``preprocess.vae_tiling``: False never tiles, True always does, "auto" tiles
-    when one untiled encode would need more than 60 % of ``budget_gb``.  The VAE cuts tiles when
+    when one untiled encode would need more than 70 % of ``budget_gb``.  The VAE cuts tiles when
     the height or the width exceeds the tile; with ``exact_size`` (a still image of known size) a
     tile that would cut nothing is None, while for a size bound (videos, known only after
     decoding) the tile is the setting the sample is encoded with.  ``itemsize``: bytes per
@@ -109,20 +109,27 @@ def _vae_bytes(spec: FamilySpec, frames: int, height: int, width: int, itemsize:
 @dataclass
 class Placement:
     """Encoders placed on ``device``: the offload managers to detach at the end, and how many
-    bytes of VAE activations one call may use (None: no limit)."""
+    bytes of activations one VAE or text-encoder call may use (None: no limit)."""
 
     device: torch.device
     itemsize: int = 2  # of the encoders' dtype
     managers: list = field(default_factory=list)
-    vae_bytes_allowed: float | None = None
+    activation_bytes_allowed: float | None = None
     report: dict = field(default_factory=dict)
 
     def pixels_per_call(self, spec: FamilySpec, frames: int, height: int, width: int, tile: int | None) -> int:
         """How many samples of this shape one VAE call may take (at least one)."""
-        if self.vae_bytes_allowed is None or spec.vae_encode_bytes is None:
+        if self.activation_bytes_allowed is None or spec.vae_encode_bytes is None:
             return 1 << 30
         h, w = (min(height, tile), min(width, tile)) if tile else (height, width)
-        return max(1, int(self.vae_bytes_allowed // _vae_bytes(spec, frames, h, w, self.itemsize)))
+        return max(1, int(self.activation_bytes_allowed // _vae_bytes(spec, frames, h, w, self.itemsize)))
+
+    def prompts_per_call(self, spec: FamilySpec, max_sequence_length: int | None) -> int:
+        """How many prompts one text-encoder call may take (at least one)."""
+        if self.activation_bytes_allowed is None or spec.prompt_encode_bytes is None:
+            return 1 << 30
+        one = spec.prompt_encode_bytes(max_sequence_length) * VAE_SAFETY * self.itemsize / 2
+        return max(1, int(self.activation_bytes_allowed // one))
 
     def close(self) -> None:
         for manager in self.managers:
@@ -162,9 +169,13 @@ def place_encoders(components: dict, spec: FamilySpec, device: torch.device, str
         info = manager.report()  # resident for good: all but the streamed units, plus the slots
         resident += module_bytes(module) - info["streamed_bytes"] + info["slots"] * largest
     if budget:
-        placement.vae_bytes_allowed = max(budget - resident, 0)
+        placement.activation_bytes_allowed = max(budget - resident, 0)
+    frames, height, width = largest_sample
     placement.report = {"resident_bytes": resident, "host_embedding_bytes": host_tables,
-                        "streamed": sorted(streamed), "vae_bytes_allowed": placement.vae_bytes_allowed}
+                        "streamed": sorted(streamed), "activation_bytes_allowed": placement.activation_bytes_allowed,
+                        "text_blocks_resident": sum(m.report()["budget_units"] for m in placement.managers),
+                        "prompts_per_call": placement.prompts_per_call(spec, None),
+                        "largest_samples_per_vae_call": placement.pixels_per_call(spec, frames, height, width, None)}
     return placement
 
 

@@ -68,10 +68,15 @@ class Encoders:
         return self.placement.device
 
     def encode_prompts(self, prompts: list[str], options: dict) -> list[dict]:
+        """Prompts in as many text-encoder calls as the budget needs."""
         spec, device = self.spec, str(self.device)
         if spec.encode_prompts is None:
             return [spec.encode_prompt(self.components, p, device, **options) for p in prompts]
-        return spec.encode_prompts(self.components, prompts, device, **options)
+        per_call = self.placement.prompts_per_call(spec, options.get("max_sequence_length"))
+        out = []
+        for start in range(0, len(prompts), per_call):
+            out += spec.encode_prompts(self.components, prompts[start:start + per_call], device, **options)
+        return out
 
     def encode_pixels(self, pixels: torch.Tensor, tile: int | None) -> list[dict]:
         """Pixels ``(B, 3, F, H, W)`` of one shape, in as many VAE calls as the budget needs."""
@@ -162,6 +167,12 @@ class EncoderPool:
         finally:
             with self._lock:
                 entry.users -= 1
+
+    def describe(self) -> list[dict]:
+        """The loaded sets: family, device and where their weights live (logs, benchmarks)."""
+        with self._lock:
+            return [{"family": key[0], "device": key[-1], **entry.encoders.placement.report}
+                    for key, entry in self._entries.items() if entry.encoders is not None]
 
     def release(self) -> int:
         """Free every set no part is using (GPU memory, pinned host copies); returns how many."""

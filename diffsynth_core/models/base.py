@@ -75,6 +75,8 @@ class FamilySpec:
     encode_pixel_batch: Callable[[Components, torch.Tensor, str], list[dict[str, torch.Tensor]]] | None = None
     # vae_encode_bytes(frames, height, width) -> peak activation bytes of one bf16 VAE encode
     vae_encode_bytes: Callable[[int, int, int], int] | None = None
+    # prompt_encode_bytes(max_sequence_length or None) -> activation bytes one bf16 prompt may add to a batch
+    prompt_encode_bytes: Callable[[int | None], int] | None = None
     # Extra, family-specific notes (e.g. default guidance); never read by engines.
     extras: Mapping[str, Any] = field(default_factory=dict)
     # --- without weights: benchmarks and tests -------------------------------------------------
@@ -85,3 +87,7 @@ class FamilySpec:
     # dummy_inputs(transformer_config, batch, height, width, num_frames, text_len, seed) -> (latents, cond):
     # random fp32 CPU tensors shaped like batched cache entries for pixels of that size
     dummy_inputs: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]] | None = None
+    # Encoder layouts build_encoders knows (released ones: "Qwen-Image", "FLUX.1-dev", "Wan2.1").
+    encoder_variants: tuple[str, ...] = ()
+    # build_encoders(variant, dtype, device) -> what load_encoders returns, with random weights (benchmarks)
+    build_encoders: Callable[[str, torch.dtype, str], Components] | None = None

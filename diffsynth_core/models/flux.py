@@ -25,7 +25,7 @@ from .inputs import check_pixel_batch, check_pixels, prompt_length
 from .loading import load_component
 from .loading import load_components as _load_components
 from .loading import MODEL_INIT_LOCK, module_dtype, unwrap
-from .random_models import build_random_transformer, random_tensor
+from .random_models import build_random_transformer, random_module, random_tensor
 
 PIPELINE_CLASS = "FluxPipeline"
 ENCODER_COMPONENTS = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "vae")
@@ -169,6 +169,13 @@ def vae_encode_bytes(frames: int, height: int, width: int) -> int:
     return 1280 * height * width
 
 
+def prompt_encode_bytes(max_sequence_length: int | None = None) -> int:
+    """Activation bytes one prompt adds to a batch: T5-XXL at its padded length L (eager attention:
+    64 heads of L x L scores in bf16 and fp32, ~10 bytes each; ~120 KB per token besides); CLIP's
+    77 tokens are negligible."""
+    tokens = max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
+    return 120_000 * tokens + 640 * tokens * tokens
+
 # --- training forward ------------------------------------------------------------------------
 
 def dit_forward(transformer: torch.nn.Module, latents: torch.Tensor, sigmas: torch.Tensor,
@@ -197,6 +204,38 @@ def dit_forward(transformer: torch.nn.Module, latents: torch.Tensor, sigmas: tor
 
 def build_transformer(variant: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
     return build_random_transformer(TRANSFORMER_CLASS, TRANSFORMER_CONFIGS, variant, dtype, device)
+
+
+# Released encoder layouts (benchmarks): CLIP-L, T5-XXL's encoder (4.76 B parameters), the FLUX VAE.
+ENCODER_CONFIGS = {
+    "FLUX.1-dev": {
+        "clip": dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                     num_attention_heads=12, max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu"),
+        "t5": dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                   relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                   feed_forward_proj="gated-gelu", layer_norm_epsilon=1e-6),
+        "vae": dict(in_channels=3, out_channels=3, latent_channels=16, down_block_types=["DownEncoderBlock2D"] * 4,
+                    up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=[128, 256, 512, 512],
+                    layers_per_block=2, norm_num_groups=32, sample_size=1024, scaling_factor=0.3611,
+                    shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False),
+    },
+}
+
+
+def build_encoders(variant: str, dtype: torch.dtype, device: str) -> Components:
+    """What ``load_encoders`` returns, with random weights in a released layout (benchmarks); tiny
+    tokenizers (the real vocabularies need the hub), T5's set to the released 512 tokens."""
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    layout = ENCODER_CONFIGS[variant]
+    clip = random_module(lambda: CLIPTextModel._from_config(CLIPTextConfig(**layout["clip"]), dtype=dtype),
+                         dtype, device)
+    t5 = random_module(lambda: T5EncoderModel._from_config(T5Config(**layout["t5"]), dtype=dtype), dtype, device)
+    vae = random_module(lambda: AutoencoderKL(**layout["vae"]), dtype, device, seed=1)
+    return {"text_encoder": clip, "tokenizer": tiny_tokenizers.clip_tokenizer(), "text_encoder_2": t5,
+            "tokenizer_2": tiny_tokenizers.t5_tokenizer(DEFAULT_MAX_SEQUENCE_LENGTH),
+            "vae": encoders.without_decoder(vae)}
 
 
 def dummy_inputs(config: Mapping[str, Any], batch: int = 1, height: int = 64, width: int = 64, num_frames: int = 1,
@@ -237,6 +276,7 @@ SPEC = FamilySpec(
     encode_prompts=encode_prompts,
     encode_pixel_batch=encode_pixel_batch,
     vae_encode_bytes=vae_encode_bytes,
+    prompt_encode_bytes=prompt_encode_bytes,
     dit_forward=dit_forward,
     export_lora=export_lora,
     save_tiny_model=save_tiny_model,
@@ -244,6 +284,8 @@ SPEC = FamilySpec(
     transformer_variants=tuple(TRANSFORMER_CONFIGS),
     build_transformer=build_transformer,
     dummy_inputs=dummy_inputs,
+    encoder_variants=tuple(ENCODER_CONFIGS),
+    build_encoders=build_encoders,
     extras={"latent_channels": 16, "vae_scale_factor": VAE_SCALE, "pixel_multiple": VAE_SCALE * PATCH,
             "default_max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH, "train_guidance": TRAIN_GUIDANCE},
 )

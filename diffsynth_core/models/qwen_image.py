@@ -24,7 +24,7 @@ from .latents import per_channel_normalised_modes
 from .loading import load_component
 from .loading import load_components as _load_components
 from .loading import MODEL_INIT_LOCK, module_dtype
-from .random_models import build_random_transformer, random_tensor
+from .random_models import build_random_transformer, random_module, random_tensor
 
 PIPELINE_CLASS = "QwenImagePipeline"
 ENCODER_COMPONENTS = ("text_encoder", "tokenizer", "vae")
@@ -171,6 +171,13 @@ def vae_encode_bytes(frames: int, height: int, width: int) -> int:
     return 1950 * height * width
 
 
+def prompt_encode_bytes(max_sequence_length: int | None = None) -> int:
+    """Activation bytes one prompt adds to a batch, padded to the longest allowed: per token, the 29
+    hidden states the pipeline asks for (208 KB), the MLP (114 KB) and attention (~80 KB, memory-
+    efficient kernels), at Qwen2.5-VL-7B's width; the 34 template tokens included."""
+    tokens = (max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH) + 34
+    return 400_000 * tokens
+
 # --- training forward ------------------------------------------------------------------------
 
 def dit_forward(transformer: torch.nn.Module, latents: torch.Tensor, sigmas: torch.Tensor,
@@ -196,6 +203,31 @@ def dit_forward(transformer: torch.nn.Module, latents: torch.Tensor, sigmas: tor
 
 def build_transformer(variant: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
     return build_random_transformer(TRANSFORMER_CLASS, TRANSFORMER_CONFIGS, variant, dtype, device)
+
+
+# Released encoder layouts (benchmarks): Qwen2.5-VL-7B's text decoder (7.07 B parameters) and the VAE.
+ENCODER_CONFIGS = {
+    "Qwen-Image": {
+        "text": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                     num_key_value_heads=4, vocab_size=152064, rms_norm_eps=1e-6, max_position_embeddings=128000,
+                     rope_scaling={"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"}),
+        "vae": {},  # AutoencoderKLQwenImage's defaults are the released VAE
+    },
+}
+
+
+def build_encoders(variant: str, dtype: torch.dtype, device: str) -> Components:
+    """What ``load_encoders`` returns, with random weights in a released layout (benchmarks).  The
+    tokenizer is the tiny test one (the real vocabulary needs the hub); its ids fit any vocabulary."""
+    from diffusers import AutoencoderKLQwenImage
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLTextModel
+
+    layout = ENCODER_CONFIGS[variant]
+    text_config = Qwen2_5_VLConfig(text_config=layout["text"]).text_config
+    text = random_module(lambda: Qwen2_5_VLTextModel._from_config(text_config, dtype=dtype), dtype, device)
+    vae = random_module(lambda: AutoencoderKLQwenImage(**layout["vae"]), dtype, device, seed=1)
+    return {"text_encoder": text, "tokenizer": tiny_tokenizers.qwen2_tokenizer(),
+            "vae": encoders.without_decoder(vae)}
 
 
 def dummy_inputs(config: Mapping[str, Any], batch: int = 1, height: int = 64, width: int = 64, num_frames: int = 1,
@@ -233,6 +265,7 @@ SPEC = FamilySpec(
     encode_prompts=encode_prompts,
     encode_pixel_batch=encode_pixel_batch,
     vae_encode_bytes=vae_encode_bytes,
+    prompt_encode_bytes=prompt_encode_bytes,
     dit_forward=dit_forward,
     export_lora=export_lora,
     save_tiny_model=save_tiny_model,
@@ -240,6 +273,8 @@ SPEC = FamilySpec(
     transformer_variants=tuple(TRANSFORMER_CONFIGS),
     build_transformer=build_transformer,
     dummy_inputs=dummy_inputs,
+    encoder_variants=tuple(ENCODER_CONFIGS),
+    build_encoders=build_encoders,
     extras={"latent_channels": 16, "vae_scale_factor": VAE_SCALE, "pixel_multiple": VAE_SCALE * PATCH,
             "default_max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH},
 )

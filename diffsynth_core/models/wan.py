@@ -25,7 +25,7 @@ from .latents import per_channel_normalised_modes
 from .loading import load_component
 from .loading import load_components as _load_components
 from .loading import MODEL_INIT_LOCK, module_dtype
-from .random_models import build_random_transformer, random_tensor
+from .random_models import build_random_transformer, random_module, random_tensor
 
 PIPELINE_CLASS = "WanPipeline"
 ENCODER_COMPONENTS = ("text_encoder", "tokenizer", "vae")
@@ -187,6 +187,12 @@ def vae_encode_bytes(frames: int, height: int, width: int) -> int:
     return 1530 * height * width * min(frames, 5)
 
 
+def prompt_encode_bytes(max_sequence_length: int | None = None) -> int:
+    """Activation bytes one prompt adds to a batch: umT5-XXL at its padded length L (eager attention:
+    64 heads of L x L scores in bf16 and fp32, ~10 bytes each; ~120 KB per token besides)."""
+    tokens = max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
+    return 120_000 * tokens + 640 * tokens * tokens
+
 # --- training forward ------------------------------------------------------------------------
 
 def dit_forward(transformer: torch.nn.Module, latents: torch.Tensor, sigmas: torch.Tensor,
@@ -205,6 +211,31 @@ def dit_forward(transformer: torch.nn.Module, latents: torch.Tensor, sigmas: tor
 
 def build_transformer(variant: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
     return build_random_transformer(TRANSFORMER_CLASS, TRANSFORMER_CONFIGS, variant, dtype, device)
+
+
+# Released encoder layouts (benchmarks): umT5-XXL's encoder (5.68 B parameters) and the Wan2.1 VAE.
+ENCODER_CONFIGS = {
+    "Wan2.1": {
+        "umt5": dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                     relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                     feed_forward_proj="gated-gelu", layer_norm_epsilon=1e-6),
+        "vae": {},  # AutoencoderKLWan's defaults are the Wan2.1 VAE
+    },
+}
+
+
+def build_encoders(variant: str, dtype: torch.dtype, device: str) -> Components:
+    """What ``load_encoders`` returns, with random weights in a released layout (benchmarks); the
+    tiny tokenizer (the real vocabulary needs the hub) set to the released 512 tokens."""
+    from diffusers import AutoencoderKLWan
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    layout = ENCODER_CONFIGS[variant]
+    umt5 = random_module(lambda: UMT5EncoderModel._from_config(UMT5Config(**layout["umt5"]), dtype=dtype),
+                         dtype, device)
+    vae = random_module(lambda: AutoencoderKLWan(**layout["vae"]), dtype, device, seed=1)
+    return {"text_encoder": umt5, "tokenizer": tiny_tokenizers.t5_tokenizer(DEFAULT_MAX_SEQUENCE_LENGTH),
+            "vae": encoders.without_decoder(vae)}
 
 
 def dummy_inputs(config: Mapping[str, Any], batch: int = 1, height: int = 64, width: int = 64, num_frames: int = 1,
@@ -244,6 +275,7 @@ SPEC = FamilySpec(
     encode_prompts=encode_prompts,
     encode_pixel_batch=encode_pixel_batch,
     vae_encode_bytes=vae_encode_bytes,
+    prompt_encode_bytes=prompt_encode_bytes,
     dit_forward=dit_forward,
     export_lora=export_lora,
     save_tiny_model=save_tiny_model,
@@ -251,6 +283,8 @@ SPEC = FamilySpec(
     transformer_variants=tuple(TRANSFORMER_CONFIGS),
     build_transformer=build_transformer,
     dummy_inputs=dummy_inputs,
+    encoder_variants=tuple(ENCODER_CONFIGS),
+    build_encoders=build_encoders,
     extras={"latent_channels": 16, "vae_scale_factor": VAE_SCALE, "pixel_multiple": VAE_SCALE * PATCH,
             "default_max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH, "num_train_timesteps": NUM_TRAIN_TIMESTEPS},
 )

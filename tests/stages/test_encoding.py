@@ -94,7 +94,7 @@ def test_parts_are_spread_one_per_device():
 
 def test_vae_tiling_follows_the_budget_and_only_tiled_rows_change_keys(make_config):
     spec = qwen.SPEC
-    assert vae_tile(spec, 8.0, "auto", 1, 1328, 1328) is None           # fits 60 % of 8 GB
+    assert vae_tile(spec, 8.0, "auto", 1, 1328, 1328) is None           # fits 70 % of 8 GiB
     assert vae_tile(spec, 3.0, "auto", 1, 1328, 1328) == 768             # does not: largest fitting tile
     assert vae_tile(spec, 3.0, False, 1, 1328, 1328) is None
     assert vae_tile(spec, 0.0, True, 1, 1328, 1328) == 512               # forced, no budget

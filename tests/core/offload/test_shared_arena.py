@@ -99,3 +99,48 @@ def test_two_ranks_share_one_host_copy_and_train_like_one_process(tmp_path):
 
     assert all(not i["fallback_shared"] and i["fallback_warned"] for i in infos)
     assert all("other frozen weights" in i["mismatch"] for i in infos)
+
+
+def _cuda_worker(rank, init_file, out_dir):
+    """Both ranks on the one GPU (gloo): each page-locks its own mapping of the shared host copy."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        model = _model()
+        mgr = OffloadTrainingManager(model, "cuda")
+        report = mgr.report()
+        _train_cuda(model, mgr, rank, WORLD)
+        mgr.detach()
+        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, os.path.join(out_dir, f"cuda{rank}.pt"))
+        with open(os.path.join(out_dir, f"cuda{rank}.json"), "w") as handle:
+            json.dump({"shared": report["arena_shared"], "pinned": report["pinned"]}, handle)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train_cuda(model, mgr, rank, world):
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(STEPS):
+        x = torch.randn(4 * WORLD, 16, generator=torch.Generator().manual_seed(step)).chunk(world)[rank].cuda()
+        model(x).pow(2).mean().backward()
+        if mgr is not None:
+            mgr.after_backward()
+        else:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad /= world
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.gpu
+def test_two_ranks_on_cuda_pin_one_shared_host_copy(tmp_path):
+    mp.spawn(_cuda_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD)
+    infos = [json.loads((tmp_path / f"cuda{r}.json").read_text()) for r in range(WORLD)]
+    assert all(i["shared"] and i["pinned"] for i in infos)
+    ref = _model().cuda()
+    _train_cuda(ref, None, 0, 1)  # one process accumulating both ranks' samples
+    states = [torch.load(tmp_path / f"cuda{r}.pt") for r in range(WORLD)]
+    for key, want in ref.state_dict().items():
+        if key != "calls":
+            assert torch.equal(states[0][key], states[1][key]), key
+            torch.testing.assert_close(states[0][key], want.cpu(), rtol=1e-4, atol=1e-5)
