@@ -26,10 +26,20 @@ from torch import nn
 from diffsynth_core.models import FamilySpec
 
 GIB = 2**30
-VAE_SAFETY = 1.4   # measured activation bytes are CPU figures; CUDA adds workspaces and fragments
+SAFETY = 1.25      # on the families' activation figures (allocator rounding, kernels' workspaces)
+MARGIN = 256 * 2**20  # of the budget, kept free for what no figure covers (inputs, outputs, the allocator)
 VAE_SHARE = 0.7    # at most this share of the budget goes to one VAE call before tiling kicks in
 TILES = (1024, 768, 512, 384, 256)  # pixel tile sizes tried, largest first
 FORCED_TILE = 512  # vae_tiling = true without a budget
+
+
+class ExecutionDevice:
+    """Where a streamed encoder computes, in the shape of accelerate's hooks: diffusers pipelines
+    read ``module._hf_hook.execution_device`` (``get_module_execution_device``) to send inputs to
+    the GPU rather than to the host memory the weights live in."""
+
+    def __init__(self, device: torch.device):
+        self.execution_device = device
 
 
 class HostEmbedding(nn.Module):
@@ -103,7 +113,7 @@ def vae_tile(spec: FamilySpec, budget_gb: float, tiling, frames: int, height: in
 
 
 def _vae_bytes(spec: FamilySpec, frames: int, height: int, width: int, itemsize: int = 2) -> float:
-    return spec.vae_encode_bytes(frames, height, width) * VAE_SAFETY * itemsize / 2
+    return spec.vae_encode_bytes(frames, height, width) * SAFETY * itemsize / 2
 
 
 @dataclass
@@ -124,12 +134,21 @@ class Placement:
         h, w = (min(height, tile), min(width, tile)) if tile else (height, width)
         return max(1, int(self.activation_bytes_allowed // _vae_bytes(spec, frames, h, w, self.itemsize)))
 
-    def prompts_per_call(self, spec: FamilySpec, max_sequence_length: int | None) -> int:
-        """How many prompts one text-encoder call may take (at least one)."""
+    def prompt_chunks(self, spec: FamilySpec, lengths: list[int]) -> list[tuple[int, int]]:
+        """(start, stop) of consecutive prompts one text-encoder call may take, given the tokens
+        each takes (a call pads to its longest); at least one prompt per call."""
         if self.activation_bytes_allowed is None or spec.prompt_encode_bytes is None:
-            return 1 << 30
-        one = spec.prompt_encode_bytes(max_sequence_length) * VAE_SAFETY * self.itemsize / 2
-        return max(1, int(self.activation_bytes_allowed // one))
+            return [(0, len(lengths))]
+        chunks, start, longest = [], 0, 0
+        for i, tokens in enumerate(lengths):
+            longest = max(longest, tokens)
+            if i > start and (i + 1 - start) * self._prompt_bytes(spec, longest) > self.activation_bytes_allowed:
+                chunks.append((start, i))
+                start, longest = i, tokens
+        return chunks + [(start, len(lengths))]
+
+    def _prompt_bytes(self, spec: FamilySpec, tokens: int) -> float:
+        return spec.prompt_encode_bytes(tokens) * SAFETY * self.itemsize / 2
 
     def close(self) -> None:
         for manager in self.managers:
@@ -157,24 +176,26 @@ def place_encoders(components: dict, spec: FamilySpec, device: torch.device, str
             module.to(device)
             resident += module_bytes(module)
     host_tables = sum(keep_embeddings_on_host(m) for m in streamed.values())
-    budget = budget_gb * GIB
+    for module in streamed.values():
+        module._hf_hook = ExecutionDevice(device)
+    budget = max(budget_gb * GIB - MARGIN, 0.0) if budget_gb else None
     vae_reserve = _vae_reserve(spec, budget_gb, tiling, largest_sample, itemsize)
     for module in streamed.values():
         largest, outside = _block_sizes(module)
         floor = 2 * largest + outside  # two slots (prefetch 1) and what stays outside the blocks
-        blocks_gb = max(0.0, budget - resident - floor - vae_reserve) / GIB if budget else 0.0
+        blocks_gb = max(0.0, budget - resident - floor - vae_reserve) / GIB if budget is not None else 0.0
         manager = OffloadTrainingManager(module, device, vram_budget_gb=blocks_gb, data_parallel=False,
                                          share_host_copy=False)  # per process: no collectives
         placement.managers.append(manager)
         info = manager.report()  # resident for good: all but the streamed units, plus the slots
         resident += module_bytes(module) - info["streamed_bytes"] + info["slots"] * largest
-    if budget:
+    if budget is not None:
         placement.activation_bytes_allowed = max(budget - resident, 0)
     frames, height, width = largest_sample
     placement.report = {"resident_bytes": resident, "host_embedding_bytes": host_tables,
                         "streamed": sorted(streamed), "activation_bytes_allowed": placement.activation_bytes_allowed,
                         "text_blocks_resident": sum(m.report()["budget_units"] for m in placement.managers),
-                        "prompts_per_call": placement.prompts_per_call(spec, None),
+                        "longest_prompts_per_call": len(range(*placement.prompt_chunks(spec, [1058] * 64)[0])),
                         "largest_samples_per_vae_call": placement.pixels_per_call(spec, frames, height, width, None)}
     return placement
 

@@ -72,10 +72,10 @@ class Encoders:
         spec, device = self.spec, str(self.device)
         if spec.encode_prompts is None:
             return [spec.encode_prompt(self.components, p, device, **options) for p in prompts]
-        per_call = self.placement.prompts_per_call(spec, options.get("max_sequence_length"))
+        lengths = spec.prompt_lengths(self.components, prompts, **options) if spec.prompt_lengths else [0] * len(prompts)
         out = []
-        for start in range(0, len(prompts), per_call):
-            out += spec.encode_prompts(self.components, prompts[start:start + per_call], device, **options)
+        for start, stop in self.placement.prompt_chunks(spec, lengths):
+            out += spec.encode_prompts(self.components, prompts[start:stop], device, **options)
         return out
 
     def encode_pixels(self, pixels: torch.Tensor, tile: int | None) -> list[dict]:

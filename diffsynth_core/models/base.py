@@ -75,8 +75,10 @@ class FamilySpec:
     encode_pixel_batch: Callable[[Components, torch.Tensor, str], list[dict[str, torch.Tensor]]] | None = None
     # vae_encode_bytes(frames, height, width) -> peak activation bytes of one bf16 VAE encode
     vae_encode_bytes: Callable[[int, int, int], int] | None = None
-    # prompt_encode_bytes(max_sequence_length or None) -> activation bytes one bf16 prompt may add to a batch
-    prompt_encode_bytes: Callable[[int | None], int] | None = None
+    # prompt_lengths(components, prompts, max_sequence_length) -> tokens each prompt takes in a batch
+    prompt_lengths: Callable[..., list[int]] | None = None
+    # prompt_encode_bytes(tokens) -> activation bytes one bf16 prompt padded to ``tokens`` adds to a batch
+    prompt_encode_bytes: Callable[[int], int] | None = None
     # Extra, family-specific notes (e.g. default guidance); never read by engines.
     extras: Mapping[str, Any] = field(default_factory=dict)
     # --- without weights: benchmarks and tests -------------------------------------------------

@@ -166,17 +166,28 @@ def encode_pixels(components: Components, pixels: torch.Tensor, device: str) -> 
 
 
 def vae_encode_bytes(frames: int, height: int, width: int) -> int:
-    """Peak activation bytes of one bf16 VAE encode (weights excluded), measured on the released
-    layout: ~1950 bytes per pixel (it runs a frame at a time)."""
-    return 1950 * height * width
+    """Peak activation bytes of one bf16 VAE encode (weights excluded) of the released layout,
+    measured on an H200 at 1328x1328: ~2700 bytes per pixel (it runs a frame at a time)."""
+    return 2700 * height * width
 
 
-def prompt_encode_bytes(max_sequence_length: int | None = None) -> int:
-    """Activation bytes one prompt adds to a batch, padded to the longest allowed: per token, the 29
-    hidden states the pipeline asks for (208 KB), the MLP (114 KB) and attention (~80 KB, memory-
-    efficient kernels), at Qwen2.5-VL-7B's width; the 34 template tokens included."""
-    tokens = (max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH) + 34
+def prompt_lengths(components: Components, prompts: list[str], *,
+                   max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH) -> list[int]:
+    """Tokens each prompt takes in a batch before padding: the chat template's included."""
+    pipe = _pipeline_cls()(scheduler=None, vae=None, text_encoder=None, tokenizer=components["tokenizer"],
+                           transformer=None)
+    drop = pipe.prompt_template_encode_start_idx
+    text = [pipe.prompt_template_encode.format(p) for p in prompts]
+    ids = components["tokenizer"](text, max_length=pipe.tokenizer_max_length + drop, truncation=True).input_ids
+    return [len(one) for one in ids]
+
+
+def prompt_encode_bytes(tokens: int) -> int:
+    """Activation bytes of one prompt padded to ``tokens`` (bf16, Qwen2.5-VL-7B's width): per token,
+    the 29 hidden states the pipeline asks for (208 KB), the MLP (114 KB) and attention (memory-
+    efficient kernels: ~80 KB)."""
     return 400_000 * tokens
+
 
 # --- training forward ------------------------------------------------------------------------
 
@@ -265,6 +276,7 @@ SPEC = FamilySpec(
     encode_prompts=encode_prompts,
     encode_pixel_batch=encode_pixel_batch,
     vae_encode_bytes=vae_encode_bytes,
+    prompt_lengths=prompt_lengths,
     prompt_encode_bytes=prompt_encode_bytes,
     dit_forward=dit_forward,
     export_lora=export_lora,

@@ -181,17 +181,24 @@ def encode_pixels(components: Components, pixels: torch.Tensor, device: str) -> 
 
 
 def vae_encode_bytes(frames: int, height: int, width: int) -> int:
-    """Peak activation bytes of one bf16 VAE encode (weights excluded), measured on the released
-    layout: ~1530 bytes per pixel of a 5-frame window, whatever the length (the causal VAE
-    encodes 4 frames at a time, caching only the last ones)."""
-    return 1530 * height * width * min(frames, 5)
+    """Peak activation bytes of one bf16 VAE encode (weights excluded) of the released layout:
+    ~1840 bytes per pixel of a 5-frame window whatever the length (the causal VAE encodes 4 frames
+    at a time, caching only the last ones); measured on an H200 with 81 frames at 480x832."""
+    return 1840 * height * width * min(frames, 5)
 
 
-def prompt_encode_bytes(max_sequence_length: int | None = None) -> int:
-    """Activation bytes one prompt adds to a batch: umT5-XXL at its padded length L (eager attention:
-    64 heads of L x L scores in bf16 and fp32, ~10 bytes each; ~120 KB per token besides)."""
-    tokens = max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
+def prompt_lengths(components: Components, prompts: list[str], *,
+                   max_sequence_length: int | None = None) -> list[int]:
+    """Tokens each prompt takes in a batch: umT5-XXL always pads to the max length."""
+    length = prompt_length(components["tokenizer"], max_sequence_length, DEFAULT_MAX_SEQUENCE_LENGTH)
+    return [length] * len(prompts)
+
+
+def prompt_encode_bytes(tokens: int) -> int:
+    """Activation bytes of one prompt padded to ``tokens`` (bf16, umT5-XXL's width): eager attention
+    keeps 64 heads of L x L scores in bf16 and fp32 (~10 bytes each), ~120 KB per token besides."""
     return 120_000 * tokens + 640 * tokens * tokens
+
 
 # --- training forward ------------------------------------------------------------------------
 
@@ -275,6 +282,7 @@ SPEC = FamilySpec(
     encode_prompts=encode_prompts,
     encode_pixel_batch=encode_pixel_batch,
     vae_encode_bytes=vae_encode_bytes,
+    prompt_lengths=prompt_lengths,
     prompt_encode_bytes=prompt_encode_bytes,
     dit_forward=dit_forward,
     export_lora=export_lora,
