@@ -325,9 +325,14 @@ def main(argv=None) -> dict:
         finally:
             shutil.rmtree(root, ignore_errors=True)
     report["host_peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB, 2)
+    return emit(report, args.out)
+
+
+def emit(report: dict, out: str | None) -> dict:
+    """Print the JSON document (and write it to ``out``)."""
     print(json.dumps(report, indent=2))
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2))
+    if out:
+        Path(out).write_text(json.dumps(report, indent=2))
     return report
 
 

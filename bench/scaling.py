@@ -17,7 +17,6 @@ Start-up (Python, torch, the tiny model) is paid by every worker, as on real mac
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import resource
@@ -34,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.preprocess import write_dataset  # noqa: E402
+from bench.preprocess import emit, write_dataset  # noqa: E402
 from cache_store import open_cache  # noqa: E402
 from stages import preprocess  # noqa: E402
 from stages.config import build_config  # noqa: E402
@@ -133,10 +132,7 @@ def main(argv=None) -> dict:
             moto.terminate()
             moto.wait(timeout=10)
         shutil.rmtree(root, ignore_errors=True)
-    print(json.dumps(report, indent=2))
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2))
-    return report
+    return emit(report, args.out)
 
 
 if __name__ == "__main__":

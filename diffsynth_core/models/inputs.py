@@ -32,3 +32,10 @@ def check_pixel_batch(pixels: torch.Tensor, **rules) -> None:
     if pixels.ndim != 5 or pixels.shape[0] < 1:
         raise ValueError(f"a pixel batch must be (B, 3, F, H, W), got {tuple(pixels.shape)}")
     check_pixels(pixels[0], **rules)
+
+
+def t5_xxl_prompt_bytes(tokens: int) -> int:
+    """Activation bytes of one bf16 prompt padded to ``tokens`` through a T5-XXL-wide encoder
+    (T5-XXL, umT5-XXL): eager attention keeps 64 heads of L x L scores in bf16 and fp32 (~10 bytes
+    each), ~120 KB per token besides."""
+    return 120_000 * tokens + 640 * tokens * tokens

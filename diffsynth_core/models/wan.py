@@ -20,7 +20,7 @@ import torch
 
 from . import encoders, lora_export, single_file, tiny_tokenizers
 from .base import Components, FamilySpec
-from .inputs import check_pixel_batch, check_pixels, prompt_length
+from .inputs import check_pixel_batch, check_pixels, prompt_length, t5_xxl_prompt_bytes
 from .latents import per_channel_normalised_modes
 from .loading import load_component
 from .loading import load_components as _load_components
@@ -189,15 +189,8 @@ def vae_encode_bytes(frames: int, height: int, width: int) -> int:
 
 def prompt_lengths(components: Components, prompts: list[str], *,
                    max_sequence_length: int | None = None) -> list[int]:
-    """Tokens each prompt takes in a batch: umT5-XXL always pads to the max length."""
-    length = prompt_length(components["tokenizer"], max_sequence_length, DEFAULT_MAX_SEQUENCE_LENGTH)
-    return [length] * len(prompts)
-
-
-def prompt_encode_bytes(tokens: int) -> int:
-    """Activation bytes of one prompt padded to ``tokens`` (bf16, umT5-XXL's width): eager attention
-    keeps 64 heads of L x L scores in bf16 and fp32 (~10 bytes each), ~120 KB per token besides."""
-    return 120_000 * tokens + 640 * tokens * tokens
+    """Tokens each prompt takes in a batch: umT5 always pads to the max length."""
+    return [prompt_length(components["tokenizer"], max_sequence_length, DEFAULT_MAX_SEQUENCE_LENGTH)] * len(prompts)
 
 
 # --- training forward ------------------------------------------------------------------------
@@ -283,7 +276,7 @@ SPEC = FamilySpec(
     encode_pixel_batch=encode_pixel_batch,
     vae_encode_bytes=vae_encode_bytes,
     prompt_lengths=prompt_lengths,
-    prompt_encode_bytes=prompt_encode_bytes,
+    prompt_encode_bytes=t5_xxl_prompt_bytes,
     dit_forward=dit_forward,
     export_lora=export_lora,
     save_tiny_model=save_tiny_model,

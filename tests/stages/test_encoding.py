@@ -105,3 +105,24 @@ def test_vae_tiling_follows_the_budget_and_only_tiled_rows_change_keys(make_conf
     tiled = preprocess.make_plan(make_config("preprocess.vae_tiling=true", "dataset.height=768",
                                              "dataset.width=1024"))
     assert not set(tiled.keys.values()) & set(plain.keys.values())
+
+
+def test_a_budget_keeps_text_blocks_resident_only_beyond_the_activation_reserve(demo_assets):
+    from stages.encoder_memory import GIB, MARGIN, place_encoders
+
+    spec = qwen.SPEC
+    reports = {}
+    for budget in (0.275, 0.3):  # GiB; the VAE reserve for 64x64 fp32 samples is ~28 MB, the margin 256 MiB
+        comps = spec.load_encoders(demo_assets / "model", torch.float32)
+        placement = place_encoders(comps, spec, torch.device("cpu"), True, budget, "auto", (1, 64, 64), 4)
+        reports[budget] = placement.report
+        allowed = placement.activation_bytes_allowed
+        assert allowed == max(budget * GIB - MARGIN - placement.report["resident_bytes"], 0)
+        assert placement.pixels_per_call(spec, 1, 64, 64, None) == max(1, int(allowed // (2700 * 64 * 64 * 1.25 * 2)))
+        lengths = [40, 90, 10, 300]
+        chunks = placement.prompt_chunks(spec, lengths)
+        assert [i for a, b in chunks for i in range(a, b)] == list(range(4))  # every prompt, in order, once
+        for a, b in chunks:
+            assert b - a == 1 or (b - a) * spec.prompt_encode_bytes(max(lengths[a:b])) * 1.25 * 2 <= allowed
+        placement.close()
+    assert reports[0.275]["text_blocks_resident"] == 0 and reports[0.3]["text_blocks_resident"] == 2
