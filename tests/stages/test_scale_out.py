@@ -1,5 +1,5 @@
-"""Beyond one machine, simulated on this one: preprocess parts run as separate worker processes
-writing one s3:// cache (moto's real server), then two ``torchrun --nnodes 2`` "nodes" train from it
+"""Beyond one machine, simulated on this one: preprocess parts run by separate processes writing one
+s3:// cache (moto's real server), then two ``torchrun --nnodes 2`` "nodes" train from it
 (offloaded, sharing one host copy of the frozen weights, since both "nodes" are this machine)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -63,10 +64,11 @@ def test_worker_processes_fill_one_s3_cache_and_two_torchrun_nodes_train_from_it
     cfg = _with_s3(make_config(*steps, "preprocess.parts=2", f"output.path={tmp_path / 'nodes'}"), s3_server)
     config_path = cfg.save(tmp_path / "run.toml")
 
-    # two preprocessing "machines": one part each, one shared cache
-    outs = _run_all([[sys.executable, "-m", "flows.cli", "preprocess", str(config_path), "--part", str(k)]
-                     for k in range(2)])
-    encoded = [int(re.search(r"(\d+) encoded", out).group(1)) for out in outs]
+    # two preprocessing "machines" at once, one part each, one shared cache: a worker process, and this one
+    with ThreadPoolExecutor(1) as pool:
+        here = pool.submit(preprocess.run, cfg, 1)
+        [out] = _run_all([[sys.executable, "-m", "flows.cli", "preprocess", str(config_path), "--part", "0"]])
+        encoded = [int(re.search(r"(\d+) encoded", out).group(1)), here.result().encoded]
     assert encoded == [8, 8]  # every entry encoded once, by exactly one worker
     assert preprocess.finalize(cfg).complete
 

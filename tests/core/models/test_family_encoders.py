@@ -16,7 +16,7 @@ from diffsynth_core.models.qwen_image import _text_weight_name
 
 from .family_cases import CASES
 
-PROMPTS = ["a cat", "a photo of a red dog asleep on a blue sofa", "x", "two cats"]
+PROMPTS = ["a cat", "a photo of a red dog asleep on a blue sofa", "x"]
 CASES = [c for c in CASES if c.id != "flux_schnell"]  # same encoders as dev
 
 
@@ -29,8 +29,9 @@ def loaded(request, tmp_path_factory):
     return case, spec, full, spec.load_encoders(folder, torch.float32)
 
 
-def _pixels(case, n, seed=1):
-    return torch.rand((n, *case.pixels_shape), generator=torch.Generator().manual_seed(seed)) * 2 - 1
+def _pixels(case, n, seed=1, frames=None):
+    shape = (n, *case.pixels_shape) if frames is None else (n, 3, frames, *case.pixels_shape[2:])
+    return torch.rand(shape, generator=torch.Generator().manual_seed(seed)) * 2 - 1
 
 
 def test_lean_encoders_encode_exactly_like_the_full_components(loaded):
@@ -60,7 +61,7 @@ def test_batched_encoding_matches_one_at_a_time(loaded):
         for name in want:  # Qwen pads the batch to its longest prompt: ~1e-7 apart in fp32
             assert got[name].shape == want[name].shape, name
             torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5)
-    pixels = _pixels(case, 3)
+    pixels = _pixels(case, 2, frames=1)  # Wan's video path is covered above; one frame keeps this fast
     for one, got in zip(pixels, spec.encode_pixel_batch(lean, pixels, "cpu")):
         torch.testing.assert_close(got["latents"], spec.encode_pixels(lean, one, "cpu")["latents"],
                                    rtol=1e-5, atol=1e-5)
@@ -68,10 +69,11 @@ def test_batched_encoding_matches_one_at_a_time(loaded):
 
 def test_vae_tiling_cuts_tiles_and_keeps_the_latent_shape(loaded):
     case, spec, _, lean = loaded
-    frames = case.pixels_shape[1]
-    pixels = torch.rand(1, 3, frames, 160, 160, generator=torch.Generator().manual_seed(2)) * 2 - 1
+    if case.family == "wan":
+        pytest.skip("the Wan-style tiling API is Qwen-Image's (same diffusers VAE code)")
+    pixels = torch.rand(1, 3, 1, 96, 96, generator=torch.Generator().manual_seed(2)) * 2 - 1
     whole = spec.encode_pixel_batch(lean, pixels, "cpu")[0]["latents"]
-    enable_vae_tiling(lean["vae"], 96)
+    enable_vae_tiling(lean["vae"], 64)
     try:
         tiled = spec.encode_pixel_batch(lean, pixels, "cpu")[0]["latents"]
     finally:
