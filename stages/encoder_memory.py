@@ -195,7 +195,7 @@ def place_encoders(components: dict, spec: FamilySpec, device: torch.device, str
     placement.report = {"resident_bytes": resident, "host_embedding_bytes": host_tables,
                         "streamed": sorted(streamed), "activation_bytes_allowed": placement.activation_bytes_allowed,
                         "text_blocks_resident": sum(m.report()["budget_units"] for m in placement.managers),
-                        "longest_prompts_per_call": len(range(*placement.prompt_chunks(spec, [1058] * 64)[0])),
+                        "prompts_per_call_at_512_tokens": len(range(*placement.prompt_chunks(spec, [512] * 64)[0])),
                         "largest_samples_per_vae_call": placement.pixels_per_call(spec, frames, height, width, None)}
     return placement
 
