@@ -77,6 +77,20 @@ class PreprocessSection(_Section):
     commit_every: int = Field(16, ge=1)
     # Stream encoder weights from host memory: "auto" on a GPU only; true/false force it.
     offload_encoders: Literal["auto", True, False] = "auto"
+    # Scale-out (docs/scaling.md): samples per encoder call (grouped by shape), background decoding
+    # threads, the GPU memory one part may use (0: no limit), VAE tiling ("auto": when the budget
+    # needs it), and the devices parts are spread over ("all" GPUs or a list; empty: `device`).
+    batch_size: int = Field(1, ge=1)
+    decode_workers: int = Field(2, ge=0)
+    vram_budget_gb: float = Field(0.0, ge=0)
+    vae_tiling: Literal["auto", True, False] = "auto"
+    devices: Literal["all"] | list[str] = []
+
+    @model_validator(mode="after")
+    def _devices_are_named(self):
+        if isinstance(self.devices, list) and any(not isinstance(d, str) or not d.strip() for d in self.devices):
+            raise ValueError(f"preprocess.devices must be \"all\" or a list of device names, got {self.devices}")
+        return self
 
 
 class TrainSection(_Section):

@@ -21,6 +21,7 @@ from diffsynth_core.models import FamilySpec, get_family
 
 from .common import encoder_identity, open_dataset
 from .config import RunConfig
+from .encoding import row_key_settings
 from .secrets import storage_options
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ def make_plan(cfg: RunConfig, part: int | None = None) -> Plan:
     if part is not None:
         rows = rows[part::cfg.preprocess.parts]
     keys = {row: entry_key(dataset.records[row], dataset.source_files(row),
-                           {**dataset.key_settings(row), **encoding}) for row in rows}
+                           _row_settings(cfg, spec, dataset, row, encoding)) for row in rows}
     return Plan(spec, dataset, keys, fingerprint_of(identity))
 
 
@@ -61,6 +62,11 @@ def empty_prompt_key(cfg: RunConfig, encoder_fingerprint: str) -> str:
     settings = {"empty_prompt": True, "encoders": encoder_fingerprint, "dtype": cfg.model.dtype,
                 "max_sequence_length": cfg.preprocess.max_sequence_length}
     return f"{AUX_PREFIX}empty-prompt.{fingerprint_of(settings)}"
+
+
+def _row_settings(cfg: RunConfig, spec: FamilySpec, dataset: SampleDataset, row: int, encoding: dict) -> dict:
+    settings = dataset.key_settings(row)
+    return {**settings, **encoding, **row_key_settings(cfg, spec, settings)}  # + the VAE tile, if any
 
 
 @dataclass

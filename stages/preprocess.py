@@ -13,14 +13,10 @@ import logging
 import time
 from dataclasses import asdict, dataclass, field
 
-import torch
-
 from cache_store import open_cache
-from diffsynth_core.models import FamilySpec
-from diffsynth_core.training.device import avoid_broken_kernels
 
-from .common import model_dtype, resolve_device
 from .config import RunConfig
+from .encoding import encode_rows, release_encoders
 from .keys import Plan, empty_prompt_key, make_plan, needs
 from .locks import cache_part_lock
 from .secrets import storage_options
@@ -65,37 +61,6 @@ def _unique_rows(plan: Plan) -> list[int]:
     return list(first_row.values())
 
 
-def _encode_row(plan: Plan, components, row: int, device: torch.device, prompt_options: dict) -> dict | None:
-    sample = plan.dataset.load(row)
-    if sample is None:
-        return None
-    prompt = str(sample.fields.get("prompt", ""))
-    entry = dict(plan.spec.encode_prompt(components, prompt, str(device), **prompt_options))
-    entry.update(plan.spec.encode_pixels(components, sample.pixels, str(device)))
-    entry = {k: v.detach().cpu() for k, v in entry.items()}
-    entry["meta"] = {"row": row, "prompt": prompt, "height": sample.height, "width": sample.width,
-                     "num_frames": sample.num_frames, "files": [str(f) for f in sample.files]}
-    return entry
-
-
-def _load_encoders(cfg: RunConfig, spec: FamilySpec, device: torch.device):
-    components = spec.load_components(cfg.model.path, spec.encoder_components, model_dtype(cfg), "cpu")
-    offload = cfg.preprocess.offload_encoders
-    stream = device.type == "cuda" if offload == "auto" else offload
-    managers = []
-    for name, component in components.items():
-        if not isinstance(component, torch.nn.Module):
-            continue
-        component.eval().requires_grad_(False)  # frozen: the engine streams only frozen weights
-        if stream:
-            from diffsynth_core.offload import OffloadTrainingManager
-
-            managers.append(OffloadTrainingManager(component, device))
-        else:
-            component.to(device)
-    return components, managers
-
-
 def run(cfg: RunConfig, part: int | None = None) -> CacheSummary:
     parts = cfg.preprocess.parts
     if part is not None and not 0 <= part < parts:
@@ -116,7 +81,8 @@ def _run_part(cfg: RunConfig, part: int | None, writer: str, lock) -> CacheSumma
     summary = CacheSummary(store.url, part, parts, len(rows), 0, len(rows) - len(todo))
     empty_missing = part in (None, 0) and not store.has(empty_prompt_key(cfg, plan.fingerprint))  # once per cache
     if todo or empty_missing:
-        summary.encoded, summary.skipped = _encode_rows(cfg, plan, store, todo, empty_missing)
+        empty_key = empty_prompt_key(cfg, plan.fingerprint) if empty_missing else None
+        summary.encoded, summary.skipped = _encode_rows(cfg, plan, store, todo, part, empty_key)
     if part is None:
         summary.complete = finalize(cfg, summary.skipped, plan=plan).complete
     summary.seconds = time.perf_counter() - started
@@ -124,46 +90,15 @@ def _run_part(cfg: RunConfig, part: int | None, writer: str, lock) -> CacheSumma
     return summary
 
 
-def _encode_rows(cfg: RunConfig, plan: Plan, store, rows: list[int],
-                 empty_prompt: bool = False) -> tuple[int, list[dict]]:
-    from tqdm.auto import tqdm
-
-    device = avoid_broken_kernels(resolve_device(cfg.preprocess.device))
-    components, managers = _load_encoders(cfg, plan.spec, device)
-    max_length = cfg.preprocess.max_sequence_length
-    prompt_options = {"max_sequence_length": max_length} if max_length else {}
-    encoded, skipped = 0, []
-    try:
-        with torch.no_grad():
-            for row in tqdm(rows, desc="preprocess", unit="sample"):
-                entry = _encode_row(plan, components, row, device, prompt_options)
-                if entry is None:
-                    skipped.append({"row": row, "key": plan.keys[row]})
-                    continue
-                store.put(plan.keys[row], entry)
-                encoded += 1
-                if encoded % cfg.preprocess.commit_every == 0:
-                    store.commit()
-            if empty_prompt:
-                _put_empty_prompt(cfg, plan.spec, store, components, device, prompt_options)
-        store.commit()
-    finally:
-        for manager in managers:
-            manager.detach()
+def _encode_rows(cfg: RunConfig, plan: Plan, store, rows: list[int], part: int | None,
+                 empty_prompt_key: str | None = None) -> tuple[int, list[dict]]:
+    encoded, skipped = encode_rows(cfg, plan, store, rows, part, empty_prompt_key)  # stages/encoding.py
     skipped_reasons = {row: (file, reason) for row, file, reason in plan.dataset.skipped}
     for item in skipped:
         item["file"], item["reason"] = skipped_reasons.get(item["row"], ("", ""))
         store.put_skipped(item["key"], item)  # on disk: finalize and training read it from the cache
     store.commit()
     return encoded, skipped
-
-
-def _put_empty_prompt(cfg: RunConfig, spec: FamilySpec, store, components, device: torch.device,
-                      prompt_options: dict) -> None:
-    """Encode "" once per cache: caption dropout trains samples on it (an auxiliary entry, no sample)."""
-    entry = {k: v.detach().cpu() for k, v in spec.encode_prompt(components, "", str(device), **prompt_options).items()}
-    entry["meta"] = {"prompt": "", "empty_prompt": True}
-    store.put(empty_prompt_key(cfg, store.fingerprint), entry)
 
 
 def finalize(cfg: RunConfig, skipped: list[dict] = (), plan: Plan | None = None) -> CacheSummary:
@@ -173,6 +108,7 @@ def finalize(cfg: RunConfig, skipped: list[dict] = (), plan: Plan | None = None)
     Skipped rows are read from the cache (every writer records them there), so no result needs
     to travel from the parts to here; ``skipped`` adds rows known only to the caller.
     """
+    release_encoders()  # this process's parts are done: give back GPU memory and pinned host copies
     plan = plan or make_plan(cfg)
     store = _open_store(cfg, plan, writer=None)
     found = needs(plan, store, cfg.dataset.skip_bad_samples, list(skipped))

@@ -14,6 +14,10 @@ Tensor conventions shared by every family (batch size 1 inside the cache):
 * ``encode_pixels`` takes pixels ``(3, F, H, W)`` in ``[-1, 1]`` (``F == 1`` for images,
   ``F = frame_multiple*k + 1`` for video) and returns ``{"latents": (C, f, h, w)}`` -- always 4-D,
   images too (``f == 1``) -- the VAE posterior mode, normalised the family's way, no batch dim.
+* ``encode_prompts`` / ``encode_pixel_batch`` are the batched forms stage 1 uses: a list of
+  prompts, or pixels ``(B, 3, F, H, W)`` of one shape, give one dict per sample, shaped as the
+  one-at-a-time functions give them (which are these with a batch of one).  Values equal
+  one-at-a-time encoding up to the kernels' batch dependence (padding, algorithm choice).
 * ``dit_forward`` takes batched latents ``(B, C, f, h, w)`` and sigmas ``(B,)`` in ``[0, 1]`` plus
   the batched prompt-side tensors, and returns the flow-matching velocity prediction (target
   ``noise - x0``) in the latents' layout, in the transformer's dtype (packing/unpacking and
@@ -62,6 +66,20 @@ class FamilySpec:
     save_tiny_model: Callable[[Path, int], Path]
     # Name of the diffusers pipeline class that loads the folder (validation, reload tests).
     pipeline_class_name: str
+    # --- stage 1, batched (optional: stage 1 falls back to load_components and the functions above)
+    # load_encoders(path, dtype) -> Components : only what encoding reads, on the CPU (no LM head,
+    # vision tower or VAE decoder)
+    load_encoders: Callable[[Path, torch.dtype], Components] | None = None
+    # encode_prompts(components, prompts, device, *, max_sequence_length) -> [encode_prompt result, ...]
+    encode_prompts: Callable[..., list[dict[str, torch.Tensor]]] | None = None
+    # encode_pixel_batch(components, pixels (B, 3, F, H, W), device) -> [encode_pixels result, ...]
+    encode_pixel_batch: Callable[[Components, torch.Tensor, str], list[dict[str, torch.Tensor]]] | None = None
+    # vae_encode_bytes(frames, height, width) -> peak activation bytes of one bf16 VAE encode
+    vae_encode_bytes: Callable[[int, int, int], int] | None = None
+    # prompt_lengths(components, prompts, max_sequence_length) -> tokens each prompt takes in a batch
+    prompt_lengths: Callable[..., list[int]] | None = None
+    # prompt_encode_bytes(tokens) -> activation bytes one bf16 prompt padded to ``tokens`` adds to a batch
+    prompt_encode_bytes: Callable[[int], int] | None = None
     # Extra, family-specific notes (e.g. default guidance); never read by engines.
     extras: Mapping[str, Any] = field(default_factory=dict)
     # --- without weights: benchmarks and tests -------------------------------------------------
@@ -83,3 +101,7 @@ class FamilySpec:
     # What train.timestep_sampling / train.loss_weighting = "auto" resolve to for this family.
     default_timestep_sampling: str = "uniform"
     default_loss_weighting: str = "none"
+    # Encoder layouts build_encoders knows (released ones: "Qwen-Image", "FLUX.1-dev", "Wan2.1").
+    encoder_variants: tuple[str, ...] = ()
+    # build_encoders(variant, dtype, device) -> what load_encoders returns, with random weights (benchmarks)
+    build_encoders: Callable[[str, torch.dtype, str], Components] | None = None

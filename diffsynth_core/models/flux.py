@@ -19,12 +19,13 @@ from typing import Any, Mapping
 
 import torch
 
-from . import lora_export, single_file, tiny_tokenizers
+from . import encoders, lora_export, single_file, tiny_tokenizers
 from .base import Components, FamilySpec
-from .inputs import check_pixels, prompt_length
+from .inputs import check_pixel_batch, check_pixels, prompt_length, t5_xxl_prompt_bytes
+from .loading import load_component
 from .loading import load_components as _load_components
 from .loading import MODEL_INIT_LOCK, module_dtype, unwrap
-from .random_models import build_random_transformer, random_tensor
+from .random_models import build_random_transformer, random_module, random_tensor
 
 PIPELINE_CLASS = "FluxPipeline"
 ENCODER_COMPONENTS = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "vae")
@@ -100,6 +101,14 @@ def load_components(path: Path, names: tuple[str, ...], dtype: torch.dtype, devi
     return _load_components(path, names, dtype, device, allowed=ENCODER_COMPONENTS + ("transformer",))
 
 
+def load_encoders(path: Path, dtype: torch.dtype) -> Components:
+    """What encoding reads, on the CPU: CLIP-L, T5 (already encoder-only), both tokenizers, the VAE
+    without its decoder."""
+    comps = {name: load_component(path, name, dtype) for name in ENCODER_COMPONENTS}
+    comps["vae"] = encoders.without_decoder(comps["vae"])
+    return comps
+
+
 def _convert_bfl(state_dict: single_file.StateDict) -> single_file.StateDict:
     """Original BFL names (double_blocks.N.img_attn.qkv ...) -> diffusers, with diffusers' converter.
 
@@ -118,28 +127,52 @@ def load_transformer_file(file: Path, config_dir: Path, dtype: torch.dtype) -> t
 
 # --- encoding ------------------------------------------------------------------------------
 
-def encode_prompt(components: Components, prompt: str, device: str, *,
-                  max_sequence_length: int | None = None) -> dict[str, torch.Tensor]:
-    """``FluxPipeline.encode_prompt`` for one prompt (T5 padded to the max length), no batch dim."""
+def encode_prompts(components: Components, prompts: list[str], device: str, *,
+                   max_sequence_length: int | None = None) -> list[dict[str, torch.Tensor]]:
+    """``FluxPipeline.encode_prompt`` for a batch (T5 padded to the max length), one dict per prompt."""
     tokenizer_2 = components["tokenizer_2"]
     max_sequence_length = prompt_length(tokenizer_2, max_sequence_length, DEFAULT_MAX_SEQUENCE_LENGTH)
     pipe = _pipeline_cls()(scheduler=None, vae=None, text_encoder=components["text_encoder"],
                            tokenizer=components["tokenizer"], text_encoder_2=components["text_encoder_2"],
                            tokenizer_2=tokenizer_2, transformer=None)
     with torch.no_grad():
-        embeds, pooled, _ = pipe.encode_prompt(prompt, prompt_2=None, device=torch.device(device),
+        embeds, pooled, _ = pipe.encode_prompt(list(prompts), prompt_2=None, device=torch.device(device),
                                                max_sequence_length=max_sequence_length)
-    return {"prompt_embeds": embeds[0], "pooled_prompt_embeds": pooled[0]}
+    return [{"prompt_embeds": embeds[i], "pooled_prompt_embeds": pooled[i]} for i in range(len(prompts))]
+
+
+def encode_prompt(components: Components, prompt: str, device: str, *,
+                  max_sequence_length: int | None = None) -> dict[str, torch.Tensor]:
+    """``FluxPipeline.encode_prompt`` for one prompt (T5 padded to the max length), no batch dim."""
+    return encode_prompts(components, [prompt], device, max_sequence_length=max_sequence_length)[0]
+
+
+def encode_pixel_batch(components: Components, pixels: torch.Tensor, device: str) -> list[dict[str, torch.Tensor]]:
+    """VAE posterior modes of ``(B, 3, 1, H, W)``, ``(z - shift) * scale``: each ``(16, 1, H/8, W/8)``."""
+    check_pixel_batch(pixels, multiple=VAE_SCALE * PATCH, image_only=True)
+    vae = components["vae"]
+    with torch.no_grad():
+        z = vae.encode(pixels[:, :, 0].to(device=device, dtype=vae.dtype)).latent_dist.mode()
+    latents = ((z.float() - vae.config.shift_factor) * vae.config.scaling_factor).to(vae.dtype)
+    return [{"latents": one[:, None]} for one in latents]
 
 
 def encode_pixels(components: Components, pixels: torch.Tensor, device: str) -> dict[str, torch.Tensor]:
     """VAE posterior mode, ``(z - shift) * scale``: ``(16, 1, H/8, W/8)``."""
     check_pixels(pixels, multiple=VAE_SCALE * PATCH, image_only=True)
-    vae = components["vae"]
-    with torch.no_grad():
-        z = vae.encode(pixels[:, 0][None].to(device=device, dtype=vae.dtype)).latent_dist.mode()
-    latents = (z.float() - vae.config.shift_factor) * vae.config.scaling_factor
-    return {"latents": latents.to(vae.dtype)[0][:, None]}
+    return encode_pixel_batch(components, pixels[None], device)[0]
+
+
+def vae_encode_bytes(frames: int, height: int, width: int) -> int:
+    """Peak activation bytes of one bf16 VAE encode (weights excluded) of the released layout,
+    measured on an H200 at 1024x1024: ~1540 bytes per pixel."""
+    return 1540 * height * width
+
+
+def prompt_lengths(components: Components, prompts: list[str], *,
+                   max_sequence_length: int | None = None) -> list[int]:
+    """Tokens each prompt takes in a batch: T5-XXL always pads to the max length."""
+    return [prompt_length(components["tokenizer_2"], max_sequence_length, DEFAULT_MAX_SEQUENCE_LENGTH)] * len(prompts)
 
 
 # --- training forward ------------------------------------------------------------------------
@@ -170,6 +203,38 @@ def dit_forward(transformer: torch.nn.Module, latents: torch.Tensor, sigmas: tor
 
 def build_transformer(variant: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
     return build_random_transformer(TRANSFORMER_CLASS, TRANSFORMER_CONFIGS, variant, dtype, device)
+
+
+# Released encoder layouts (benchmarks): CLIP-L, T5-XXL's encoder (4.76 B parameters), the FLUX VAE.
+ENCODER_CONFIGS = {
+    "FLUX.1-dev": {
+        "clip": dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                     num_attention_heads=12, max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu"),
+        "t5": dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                   relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                   feed_forward_proj="gated-gelu", layer_norm_epsilon=1e-6),
+        "vae": dict(in_channels=3, out_channels=3, latent_channels=16, down_block_types=["DownEncoderBlock2D"] * 4,
+                    up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=[128, 256, 512, 512],
+                    layers_per_block=2, norm_num_groups=32, sample_size=1024, scaling_factor=0.3611,
+                    shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False),
+    },
+}
+
+
+def build_encoders(variant: str, dtype: torch.dtype, device: str) -> Components:
+    """What ``load_encoders`` returns, with random weights in a released layout (benchmarks); tiny
+    tokenizers (the real vocabularies need the hub), T5's set to the released 512 tokens."""
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    layout = ENCODER_CONFIGS[variant]
+    clip = random_module(lambda: CLIPTextModel._from_config(CLIPTextConfig(**layout["clip"]), dtype=dtype),
+                         dtype, device)
+    t5 = random_module(lambda: T5EncoderModel._from_config(T5Config(**layout["t5"]), dtype=dtype), dtype, device)
+    vae = random_module(lambda: AutoencoderKL(**layout["vae"]), dtype, device, seed=1)
+    return {"text_encoder": clip, "tokenizer": tiny_tokenizers.clip_tokenizer(), "text_encoder_2": t5,
+            "tokenizer_2": tiny_tokenizers.t5_tokenizer(DEFAULT_MAX_SEQUENCE_LENGTH),
+            "vae": encoders.without_decoder(vae)}
 
 
 def dummy_inputs(config: Mapping[str, Any], batch: int = 1, height: int = 64, width: int = 64, num_frames: int = 1,
@@ -206,6 +271,12 @@ SPEC = FamilySpec(
     load_transformer_file=load_transformer_file,
     encode_prompt=encode_prompt,
     encode_pixels=encode_pixels,
+    load_encoders=load_encoders,
+    encode_prompts=encode_prompts,
+    encode_pixel_batch=encode_pixel_batch,
+    vae_encode_bytes=vae_encode_bytes,
+    prompt_lengths=prompt_lengths,
+    prompt_encode_bytes=t5_xxl_prompt_bytes,
     dit_forward=dit_forward,
     export_lora=export_lora,
     save_tiny_model=save_tiny_model,
@@ -216,6 +287,8 @@ SPEC = FamilySpec(
     diffsynth_template="FLUX.1",  # DiffSynth trains this family on its "FLUX.1" schedule
     default_timestep_sampling="diffsynth",
     default_loss_weighting="diffsynth",
+    encoder_variants=tuple(ENCODER_CONFIGS),
+    build_encoders=build_encoders,
     extras={"latent_channels": 16, "vae_scale_factor": VAE_SCALE, "pixel_multiple": VAE_SCALE * PATCH,
             "default_max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH, "train_guidance": TRAIN_GUIDANCE},
 )

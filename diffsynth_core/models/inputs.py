@@ -25,3 +25,17 @@ def prompt_length(tokenizer, requested: int | None, family_default: int) -> int:
     """The requested max prompt length, else the family's default capped at the tokenizer's limit
     (tiny test tokenizers allow far fewer tokens than the released ones)."""
     return requested if requested is not None else min(family_default, tokenizer.model_max_length)
+
+
+def check_pixel_batch(pixels: torch.Tensor, **rules) -> None:
+    """A batch ``(B, 3, F, H, W)`` of equally shaped samples, each passing ``check_pixels``."""
+    if pixels.ndim != 5 or pixels.shape[0] < 1:
+        raise ValueError(f"a pixel batch must be (B, 3, F, H, W), got {tuple(pixels.shape)}")
+    check_pixels(pixels[0], **rules)
+
+
+def t5_xxl_prompt_bytes(tokens: int) -> int:
+    """Activation bytes of one bf16 prompt padded to ``tokens`` through a T5-XXL-wide encoder
+    (T5-XXL, umT5-XXL): eager attention keeps 64 heads of L x L scores in bf16 and fp32 (~10 bytes
+    each), ~120 KB per token besides."""
+    return 120_000 * tokens + 640 * tokens * tokens

@@ -5,14 +5,15 @@ from __future__ import annotations
 import torch
 
 
-def per_channel_normalised_mode(vae, pixels: torch.Tensor, device: str) -> torch.Tensor:
-    """The posterior mode of ``pixels (3, F, H, W)``, as ``(z - latents_mean) / latents_std``.
+def per_channel_normalised_modes(vae, pixels: torch.Tensor, device: str) -> torch.Tensor:
+    """The posterior modes of ``pixels (B, 3, F, H, W)``, as ``(z - latents_mean) / latents_std``.
 
-    Returns ``(C, f, h, w)`` in the VAE's dtype, without the batch dim: what the pipelines feed
-    their DiTs, and deterministic (the mode, not a sample), so the cache is reproducible.
+    Returns ``(B, C, f, h, w)`` in the VAE's dtype: what the pipelines feed their DiTs, and
+    deterministic (the mode, not a sample), so the cache is reproducible.
     """
     with torch.no_grad():
-        z = vae.encode(pixels[None].to(device=device, dtype=vae.dtype)).latent_dist.mode()
+        z = vae.encode(pixels.to(device=device, dtype=vae.dtype)).latent_dist.mode()
     mean = torch.tensor(vae.config.latents_mean, device=z.device).view(1, -1, 1, 1, 1)
     std = torch.tensor(vae.config.latents_std, device=z.device).view(1, -1, 1, 1, 1)
-    return ((z.float() - mean) / std).to(vae.dtype)[0]
+    return ((z.float() - mean) / std).to(vae.dtype)
+

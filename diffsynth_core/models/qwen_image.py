@@ -17,13 +17,14 @@ from typing import Any, Mapping
 
 import torch
 
-from . import lora_export, single_file, tiny_tokenizers
+from . import encoders, lora_export, single_file, tiny_tokenizers
 from .base import Components, FamilySpec
-from .inputs import check_pixels
-from .latents import per_channel_normalised_mode
+from .inputs import check_pixel_batch, check_pixels
+from .latents import per_channel_normalised_modes
+from .loading import load_component
 from .loading import load_components as _load_components
 from .loading import MODEL_INIT_LOCK, module_dtype
-from .random_models import build_random_transformer, random_tensor
+from .random_models import build_random_transformer, random_module, random_tensor
 
 PIPELINE_CLASS = "QwenImagePipeline"
 ENCODER_COMPONENTS = ("text_encoder", "tokenizer", "vae")
@@ -103,25 +104,89 @@ def load_transformer_file(file: Path, config_dir: Path, dtype: torch.dtype) -> t
     return single_file.load_transformer_file(QwenImageTransformer2DModel, file, config_dir, dtype)
 
 
+def _text_weight_name(key: str) -> str | None:
+    """Checkpoint key of Qwen2.5-VL -> name in its text decoder; None for the vision tower and LM head.
+
+    Released folders use ``model.layers...`` (what transformers saves); transformers >= 4.52 names
+    the same weights ``model.language_model.layers...`` in memory, so both are accepted.
+    """
+    if key.startswith("model.visual."):
+        return None
+    for prefix in ("model.language_model.", "model."):
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    return None  # visual.*, lm_head.*
+
+
+def load_encoders(path: Path, dtype: torch.dtype) -> Components:
+    """What encoding reads, on the CPU: Qwen2.5-VL's text decoder alone (no vision tower, no LM
+    head: prompts only need its last hidden state), the tokenizer, the VAE without its decoder."""
+    from transformers import AutoConfig, Qwen2_5_VLTextModel
+
+    folder = Path(path) / "text_encoder"
+    text_config = AutoConfig.from_pretrained(folder).text_config
+    text_encoder = encoders.load_submodel(folder, Qwen2_5_VLTextModel, text_config, dtype, _text_weight_name)
+    return {"text_encoder": text_encoder, "tokenizer": load_component(path, "tokenizer", dtype),
+            "vae": encoders.without_decoder(load_component(path, "vae", dtype))}
+
+
 # --- encoding ------------------------------------------------------------------------------
+
+def encode_prompts(components: Components, prompts: list[str], device: str, *,
+                   max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH) -> list[dict[str, torch.Tensor]]:
+    """``QwenImagePipeline.encode_prompt`` for a batch: right-padded to the longest prompt, each
+    result cut back to its own length (so it has the shape one-at-a-time encoding gives)."""
+    pipe = _pipeline_cls()(scheduler=None, vae=None, text_encoder=components["text_encoder"],
+                           tokenizer=components["tokenizer"], transformer=None)
+    with torch.no_grad():
+        embeds, mask = pipe.encode_prompt(list(prompts), device=torch.device(device),
+                                          max_sequence_length=max_sequence_length)
+    if mask is None:  # the pipeline drops an all-ones mask; the cache keeps it for padding batches
+        mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+    lengths = mask.sum(dim=1).tolist()
+    return [{"prompt_embeds": embeds[i, :n], "prompt_embeds_mask": mask[i, :n]} for i, n in enumerate(lengths)]
+
 
 def encode_prompt(components: Components, prompt: str, device: str, *,
                   max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH) -> dict[str, torch.Tensor]:
     """``QwenImagePipeline.encode_prompt`` for one prompt, without the batch dim."""
-    pipe = _pipeline_cls()(scheduler=None, vae=None, text_encoder=components["text_encoder"],
-                           tokenizer=components["tokenizer"], transformer=None)
-    with torch.no_grad():
-        embeds, mask = pipe.encode_prompt(prompt, device=torch.device(device),
-                                          max_sequence_length=max_sequence_length)
-    if mask is None:  # the pipeline drops an all-ones mask; the cache keeps it for padding batches
-        mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
-    return {"prompt_embeds": embeds[0], "prompt_embeds_mask": mask[0]}
+    return encode_prompts(components, [prompt], device, max_sequence_length=max_sequence_length)[0]
+
+
+def encode_pixel_batch(components: Components, pixels: torch.Tensor, device: str) -> list[dict[str, torch.Tensor]]:
+    """VAE posterior modes of ``(B, 3, 1, H, W)``, normalised per channel: each ``(16, 1, H/8, W/8)``."""
+    check_pixel_batch(pixels, multiple=VAE_SCALE * PATCH, image_only=True)
+    return [{"latents": z} for z in per_channel_normalised_modes(components["vae"], pixels, device)]
 
 
 def encode_pixels(components: Components, pixels: torch.Tensor, device: str) -> dict[str, torch.Tensor]:
     """VAE posterior mode, normalised per channel: ``(16, 1, H/8, W/8)``."""
     check_pixels(pixels, multiple=VAE_SCALE * PATCH, image_only=True)
-    return {"latents": per_channel_normalised_mode(components["vae"], pixels, device)}
+    return encode_pixel_batch(components, pixels[None], device)[0]
+
+
+def vae_encode_bytes(frames: int, height: int, width: int) -> int:
+    """Peak activation bytes of one bf16 VAE encode (weights excluded) of the released layout,
+    measured on an H200 at 1328x1328: ~2700 bytes per pixel (it runs a frame at a time)."""
+    return 2700 * height * width
+
+
+def prompt_lengths(components: Components, prompts: list[str], *,
+                   max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH) -> list[int]:
+    """Tokens each prompt takes in a batch before padding: the chat template's included."""
+    pipe = _pipeline_cls()(scheduler=None, vae=None, text_encoder=None, tokenizer=components["tokenizer"],
+                           transformer=None)
+    drop = pipe.prompt_template_encode_start_idx
+    text = [pipe.prompt_template_encode.format(p) for p in prompts]
+    ids = components["tokenizer"](text, max_length=pipe.tokenizer_max_length + drop, truncation=True).input_ids
+    return [len(one) for one in ids]
+
+
+def prompt_encode_bytes(tokens: int) -> int:
+    """Activation bytes of one prompt padded to ``tokens`` (bf16, Qwen2.5-VL-7B's width): per token,
+    the 29 hidden states the pipeline asks for (208 KB), the MLP (114 KB) and attention (memory-
+    efficient kernels: ~80 KB)."""
+    return 400_000 * tokens
 
 
 # --- training forward ------------------------------------------------------------------------
@@ -149,6 +214,31 @@ def dit_forward(transformer: torch.nn.Module, latents: torch.Tensor, sigmas: tor
 
 def build_transformer(variant: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
     return build_random_transformer(TRANSFORMER_CLASS, TRANSFORMER_CONFIGS, variant, dtype, device)
+
+
+# Released encoder layouts (benchmarks): Qwen2.5-VL-7B's text decoder (7.07 B parameters) and the VAE.
+ENCODER_CONFIGS = {
+    "Qwen-Image": {
+        "text": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                     num_key_value_heads=4, vocab_size=152064, rms_norm_eps=1e-6, max_position_embeddings=128000,
+                     rope_scaling={"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"}),
+        "vae": {},  # AutoencoderKLQwenImage's defaults are the released VAE
+    },
+}
+
+
+def build_encoders(variant: str, dtype: torch.dtype, device: str) -> Components:
+    """What ``load_encoders`` returns, with random weights in a released layout (benchmarks).  The
+    tokenizer is the tiny test one (the real vocabulary needs the hub); its ids fit any vocabulary."""
+    from diffusers import AutoencoderKLQwenImage
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLTextModel
+
+    layout = ENCODER_CONFIGS[variant]
+    text_config = Qwen2_5_VLConfig(text_config=layout["text"]).text_config
+    text = random_module(lambda: Qwen2_5_VLTextModel._from_config(text_config, dtype=dtype), dtype, device)
+    vae = random_module(lambda: AutoencoderKLQwenImage(**layout["vae"]), dtype, device, seed=1)
+    return {"text_encoder": text, "tokenizer": tiny_tokenizers.qwen2_tokenizer(),
+            "vae": encoders.without_decoder(vae)}
 
 
 def dummy_inputs(config: Mapping[str, Any], batch: int = 1, height: int = 64, width: int = 64, num_frames: int = 1,
@@ -182,6 +272,12 @@ SPEC = FamilySpec(
     load_transformer_file=load_transformer_file,
     encode_prompt=encode_prompt,
     encode_pixels=encode_pixels,
+    load_encoders=load_encoders,
+    encode_prompts=encode_prompts,
+    encode_pixel_batch=encode_pixel_batch,
+    vae_encode_bytes=vae_encode_bytes,
+    prompt_lengths=prompt_lengths,
+    prompt_encode_bytes=prompt_encode_bytes,
     dit_forward=dit_forward,
     export_lora=export_lora,
     save_tiny_model=save_tiny_model,
@@ -193,6 +289,8 @@ SPEC = FamilySpec(
     diffsynth_template="Qwen-Image",  # DiffSynth trains this family on its "Qwen-Image" schedule
     default_timestep_sampling="diffsynth",
     default_loss_weighting="diffsynth",
+    encoder_variants=tuple(ENCODER_CONFIGS),
+    build_encoders=build_encoders,
     extras={"latent_channels": 16, "vae_scale_factor": VAE_SCALE, "pixel_multiple": VAE_SCALE * PATCH,
             "default_max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH},
 )

@@ -18,13 +18,14 @@ from typing import Any, Mapping
 
 import torch
 
-from . import lora_export, single_file, tiny_tokenizers
+from . import encoders, lora_export, single_file, tiny_tokenizers
 from .base import Components, FamilySpec
-from .inputs import check_pixels, prompt_length
-from .latents import per_channel_normalised_mode
+from .inputs import check_pixel_batch, check_pixels, prompt_length, t5_xxl_prompt_bytes
+from .latents import per_channel_normalised_modes
+from .loading import load_component
 from .loading import load_components as _load_components
 from .loading import MODEL_INIT_LOCK, module_dtype
-from .random_models import build_random_transformer, random_tensor
+from .random_models import build_random_transformer, random_module, random_tensor
 
 PIPELINE_CLASS = "WanPipeline"
 ENCODER_COMPONENTS = ("text_encoder", "tokenizer", "vae")
@@ -125,6 +126,14 @@ def load_components(path: Path, names: tuple[str, ...], dtype: torch.dtype, devi
     return _load_components(path, names, dtype, device, allowed=ENCODER_COMPONENTS + ("transformer",))
 
 
+def load_encoders(path: Path, dtype: torch.dtype) -> Components:
+    """What encoding reads, on the CPU: UMT5 (already encoder-only), its tokenizer, the VAE without
+    its decoder."""
+    comps = {name: load_component(path, name, dtype) for name in ENCODER_COMPONENTS}
+    comps["vae"] = encoders.without_decoder(comps["vae"])
+    return comps
+
+
 def _convert_native(state_dict: single_file.StateDict) -> single_file.StateDict:
     from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 
@@ -140,23 +149,48 @@ def load_transformer_file(file: Path, config_dir: Path, dtype: torch.dtype) -> t
 
 # --- encoding ------------------------------------------------------------------------------
 
-def encode_prompt(components: Components, prompt: str, device: str, *,
-                  max_sequence_length: int | None = None) -> dict[str, torch.Tensor]:
-    """``WanPipeline.encode_prompt`` (no CFG) for one prompt, zero-padded to the max length, no batch dim."""
+def encode_prompts(components: Components, prompts: list[str], device: str, *,
+                   max_sequence_length: int | None = None) -> list[dict[str, torch.Tensor]]:
+    """``WanPipeline.encode_prompt`` (no CFG) for a batch, each zero-padded to the max length."""
     tokenizer = components["tokenizer"]
     max_sequence_length = prompt_length(tokenizer, max_sequence_length, DEFAULT_MAX_SEQUENCE_LENGTH)
     pipe = _pipeline_cls()(tokenizer=tokenizer, text_encoder=components["text_encoder"], vae=None,
                            scheduler=None, transformer=None)
     with torch.no_grad():
-        embeds, _ = pipe.encode_prompt(prompt, do_classifier_free_guidance=False, device=torch.device(device),
-                                       max_sequence_length=max_sequence_length)
-    return {"prompt_embeds": embeds[0]}
+        embeds, _ = pipe.encode_prompt(list(prompts), do_classifier_free_guidance=False,
+                                       device=torch.device(device), max_sequence_length=max_sequence_length)
+    return [{"prompt_embeds": one} for one in embeds]
+
+
+def encode_prompt(components: Components, prompt: str, device: str, *,
+                  max_sequence_length: int | None = None) -> dict[str, torch.Tensor]:
+    """``WanPipeline.encode_prompt`` (no CFG) for one prompt, zero-padded to the max length, no batch dim."""
+    return encode_prompts(components, [prompt], device, max_sequence_length=max_sequence_length)[0]
+
+
+def encode_pixel_batch(components: Components, pixels: torch.Tensor, device: str) -> list[dict[str, torch.Tensor]]:
+    """VAE posterior modes of ``(B, 3, F, H, W)``, normalised per channel: each ``(16, (F-1)/4+1, H/8, W/8)``."""
+    check_pixel_batch(pixels, multiple=VAE_SCALE * PATCH, frame_multiple=FRAME_MULTIPLE)
+    return [{"latents": z} for z in per_channel_normalised_modes(components["vae"], pixels, device)]
 
 
 def encode_pixels(components: Components, pixels: torch.Tensor, device: str) -> dict[str, torch.Tensor]:
     """VAE posterior mode, normalised per channel: ``(16, (F-1)/4+1, H/8, W/8)``."""
     check_pixels(pixels, multiple=VAE_SCALE * PATCH, frame_multiple=FRAME_MULTIPLE)
-    return {"latents": per_channel_normalised_mode(components["vae"], pixels, device)}
+    return encode_pixel_batch(components, pixels[None], device)[0]
+
+
+def vae_encode_bytes(frames: int, height: int, width: int) -> int:
+    """Peak activation bytes of one bf16 VAE encode (weights excluded) of the released layout:
+    ~1840 bytes per pixel of a 5-frame window whatever the length (the causal VAE encodes 4 frames
+    at a time, caching only the last ones); measured on an H200 with 81 frames at 480x832."""
+    return 1840 * height * width * min(frames, 5)
+
+
+def prompt_lengths(components: Components, prompts: list[str], *,
+                   max_sequence_length: int | None = None) -> list[int]:
+    """Tokens each prompt takes in a batch: umT5 always pads to the max length."""
+    return [prompt_length(components["tokenizer"], max_sequence_length, DEFAULT_MAX_SEQUENCE_LENGTH)] * len(prompts)
 
 
 # --- training forward ------------------------------------------------------------------------
@@ -177,6 +211,31 @@ def dit_forward(transformer: torch.nn.Module, latents: torch.Tensor, sigmas: tor
 
 def build_transformer(variant: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
     return build_random_transformer(TRANSFORMER_CLASS, TRANSFORMER_CONFIGS, variant, dtype, device)
+
+
+# Released encoder layouts (benchmarks): umT5-XXL's encoder (5.68 B parameters) and the Wan2.1 VAE.
+ENCODER_CONFIGS = {
+    "Wan2.1": {
+        "umt5": dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                     relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                     feed_forward_proj="gated-gelu", layer_norm_epsilon=1e-6),
+        "vae": {},  # AutoencoderKLWan's defaults are the Wan2.1 VAE
+    },
+}
+
+
+def build_encoders(variant: str, dtype: torch.dtype, device: str) -> Components:
+    """What ``load_encoders`` returns, with random weights in a released layout (benchmarks); the
+    tiny tokenizer (the real vocabulary needs the hub) set to the released 512 tokens."""
+    from diffusers import AutoencoderKLWan
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    layout = ENCODER_CONFIGS[variant]
+    umt5 = random_module(lambda: UMT5EncoderModel._from_config(UMT5Config(**layout["umt5"]), dtype=dtype),
+                         dtype, device)
+    vae = random_module(lambda: AutoencoderKLWan(**layout["vae"]), dtype, device, seed=1)
+    return {"text_encoder": umt5, "tokenizer": tiny_tokenizers.t5_tokenizer(DEFAULT_MAX_SEQUENCE_LENGTH),
+            "vae": encoders.without_decoder(vae)}
 
 
 def dummy_inputs(config: Mapping[str, Any], batch: int = 1, height: int = 64, width: int = 64, num_frames: int = 1,
@@ -212,6 +271,12 @@ SPEC = FamilySpec(
     load_transformer_file=load_transformer_file,
     encode_prompt=encode_prompt,
     encode_pixels=encode_pixels,
+    load_encoders=load_encoders,
+    encode_prompts=encode_prompts,
+    encode_pixel_batch=encode_pixel_batch,
+    vae_encode_bytes=vae_encode_bytes,
+    prompt_lengths=prompt_lengths,
+    prompt_encode_bytes=t5_xxl_prompt_bytes,
     dit_forward=dit_forward,
     export_lora=export_lora,
     save_tiny_model=save_tiny_model,
@@ -222,6 +287,8 @@ SPEC = FamilySpec(
     diffsynth_template="Wan",  # DiffSynth trains this family on its "Wan" schedule
     default_timestep_sampling="diffsynth",
     default_loss_weighting="diffsynth",
+    encoder_variants=tuple(ENCODER_CONFIGS),
+    build_encoders=build_encoders,
     extras={"latent_channels": 16, "vae_scale_factor": VAE_SCALE, "pixel_multiple": VAE_SCALE * PATCH,
             "default_max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH, "num_train_timesteps": NUM_TRAIN_TIMESTEPS},
 )

@@ -8,6 +8,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .arena import HostArena
+from .shared_arena import SharedHostArena, shared_host_arena
 from .grads import GradAverager, HostGradSink
 from .plan import Plan, build_plan
 from .schedule import SuccessorSchedule
@@ -64,6 +65,9 @@ class OffloadTrainingManager:
     on when torch.distributed has several ranks) broadcasts rank 0's trainable weights at attach and
     averages gradients in ``after_backward``.  ``poison_evicted`` (debug) fills a slot with garbage
     after each eviction, so a stale reference to evicted weights shows up as NaN.
+    ``share_host_copy`` (``None`` = on when torch.distributed has several ranks): the ranks of one
+    machine share one host copy of the frozen weights (``shared_arena.py``), so host RAM does not
+    grow with the number of GPUs; not with optimizer offload (each rank's optimizer owns its copy).
 
     Telemetry: ``report()`` (units, bytes, H2D copies and bytes, per-phase loads, ``stalls`` = uses
     whose copy had not landed yet) and ``loaded_units()``.  After inference, ``after_backward()``
@@ -75,7 +79,7 @@ class OffloadTrainingManager:
                  granularity: str = "block", prefetch: int = 1, vram_budget_gb: float = 0.0,
                  storage_dtype: torch.dtype | None = None, pin_memory: bool | None = None,
                  trainable_dtype: torch.dtype | None = None, data_parallel: bool | None = None,
-                 poison_evicted: bool = False):
+                 poison_evicted: bool = False, share_host_copy: bool | None = None):
         if getattr(model, _MARK, None) is not None:
             raise RuntimeError("an OffloadTrainingManager is already attached to this model; detach() it first")
         if prefetch < 0:
@@ -94,8 +98,7 @@ class OffloadTrainingManager:
                                      enable_optimizer_cpu_offload, storage_dtype, vram_budget_gb,
                                      trainable_dtype)
         self.plan.move_resident()
-        self.arena = HostArena(self.plan.arena_bytes, pin)
-        self.plan.fill_arena(self.arena)
+        self.arena = self._make_arena(pin, share_host_copy)
         n_slots = min(prefetch + 1, len(self.plan.streamed))
         self.streamer = Streamer(self.plan.streamed, self.arena, self.device, n_slots, poison_evicted)
         self.plan.load_budget_units(self.arena)
@@ -115,6 +118,16 @@ class OffloadTrainingManager:
         setattr(model, _MARK, self)
 
     # --- set-up helpers ------------------------------------------------------------------------
+    def _make_arena(self, pin: bool, share: bool | None) -> HostArena:
+        """The filled host arena: one per machine shared by its local ranks (shared_arena.py), or our own."""
+        if share is not False:
+            arena = shared_host_arena(self.plan, pin)
+            if arena is not None:
+                return arena
+        arena = HostArena(self.plan.arena_bytes, pin)
+        self.plan.fill_arena(arena)
+        return arena
+
     def _make_averager(self, data_parallel: bool | None) -> GradAverager | None:
         multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if data_parallel is None:
@@ -234,6 +247,7 @@ class OffloadTrainingManager:
                 "budget_units": len(self.plan.units) - len(self.plan.streamed),
                 "streamed_bytes": sum(u.host_bytes for u in self.plan.streamed),
                 "arena_bytes": self.arena.nbytes, "pinned": self.arena.pinned,
+                "arena_shared": isinstance(self.arena, SharedHostArena),
                 "slots": len(self.streamer.slots) if self.streamer else 0,
                 "h2d_copies": self.streamer.copies if self.streamer else 0,
                 "h2d_bytes": self.streamer.bytes if self.streamer else 0,

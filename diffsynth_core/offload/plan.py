@@ -36,13 +36,15 @@ class Plan:
             buf = mod._buffers[name]
             mod._buffers[name] = moved.setdefault(id(buf), buf.to(self.device))
 
-    def fill_arena(self, arena: HostArena) -> None:
+    def fill_arena(self, arena: HostArena, copy: bool = True) -> None:
         """Copy every unit's weights into the arena, one tensor at a time, so host RAM never holds
-        more than the arena plus one tensor of the original model."""
+        more than the arena plus one tensor of the original model.  ``copy=False``: another process
+        filled this (shared) arena; only point the weights at it."""
         for unit in self.streamed:
             for rec in unit.tensors:
                 master = typed_view(arena.buffer, unit.host_offset + rec.host_offset, rec.store_dtype, rec.shape)
-                master.copy_(rec.param.data)
+                if copy:
+                    master.copy_(rec.param.data)
                 rec.param.data = master
 
     def load_budget_units(self, arena: HostArena) -> None:

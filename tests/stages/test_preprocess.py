@@ -122,11 +122,11 @@ from stages import preprocess
 from stages.keys import training_keys
 from stages.demo import demo_config
 import diffsynth_core.models.qwen_image as family
-encode = family.SPEC.encode_pixels
+encode = family.SPEC.encode_pixel_batch
 def slow_encode(*args, **kwargs):
     time.sleep(0.15)  # widen the window so the kill lands mid-run
     return encode(*args, **kwargs)
-object.__setattr__(family.SPEC, "encode_pixels", slow_encode)
+object.__setattr__(family.SPEC, "encode_pixel_batch", slow_encode)
 preprocess.run(demo_config(__import__("pathlib").Path(sys.argv[1]), overrides=sys.argv[2:]))
 """
 
