@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 from diffsynth_core.errors import EXIT_BUG, classify
-from stages.config import RunConfig, diffsynth_flags_to_overrides, load_config
+from stages.compat import diffsynth
+from stages.config import RunConfig
 
 DEFAULT_DEMO_DIR = "splitflow-demo"
 
@@ -28,7 +29,8 @@ def _prefect_environment(home: Path) -> None:
 
 
 def _config(args, extra: list[str]) -> RunConfig:
-    return load_config(args.config, list(args.set) + diffsynth_flags_to_overrides(extra))
+    # CONFIG file (optional), then DiffSynth-Studio flags, then --set: stages/compat/diffsynth.py
+    return diffsynth.run_config_from_cli(args.config, args.set, extra, args.verb)
 
 
 def _print(result) -> None:
@@ -41,7 +43,7 @@ def cmd_demo(args, extra) -> int:
 
     workdir = Path(args.workdir)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    cfg, config_path = prepare_demo(workdir, args.family, list(args.set) + diffsynth_flags_to_overrides(extra))
+    cfg, config_path = prepare_demo(workdir, args.family, diffsynth.flag_overrides(extra) + list(args.set))
     print(f"demo: dataset, tiny {args.family} model and {config_path} ready in {workdir}")
     _prefect_environment(workdir)
     from flows.split_training import split_training
@@ -159,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--workdir", default=DEFAULT_DEMO_DIR, help="where the demo writes everything")
             sub.add_argument("--family", default="qwen_image", help="model family of the tiny model")
         else:
-            sub.add_argument("config", help="run config (TOML or YAML); see examples/")
+            sub.add_argument("config", nargs="?", help="run config (TOML or YAML; see examples/); optional "
+                                                       "when DiffSynth-Studio flags give the model and data")
         sub.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                          help="override a config value, e.g. --set train.max_steps=100 (repeatable)")
         if name == "preprocess":
@@ -194,8 +197,10 @@ def report_failure(verb: str, err: BaseException, debug: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    # Unknown arguments may be DiffSynth-Studio flags (--dataset_base_path ...): mapped per verb.
-    args, extra = parser.parse_known_args(argv)
+    # DiffSynth-Studio flags (--dataset_base_path ...) leave argv first: mapped per verb in _config.
+    own, diffsynth_flags = diffsynth.split_argv(sys.argv[1:] if argv is None else list(argv))
+    args, extra = parser.parse_known_args(own)
+    extra = diffsynth_flags + extra
     try:
         return VERBS[args.verb][0](args, extra)
     except KeyboardInterrupt:

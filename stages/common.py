@@ -62,19 +62,74 @@ def open_dataset(cfg: RunConfig, spec: FamilySpec) -> SampleDataset:
     )
 
 
+def _expand(paths: list[str], key: str) -> list[Path]:
+    """Files named by ``paths`` (folders expanded), sorted, each once; a missing one names ``key``."""
+    files: set[Path] = set()
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            files.update(p for p in path.rglob("*") if p.is_file())
+        elif path.is_file():
+            files.add(path)
+        else:
+            raise InputError(f"{key}: {path} does not exist")
+    return sorted(files)
+
+
 def component_files(cfg: RunConfig, spec: FamilySpec, name: str) -> list[Path]:
     """The files component ``name`` is loaded from, in a stable order (what identifies it).
 
-    Today a component is a subfolder of ``model.path`` in the diffusers layout; other layouts
-    (released single files) plug in here, so identity and loading always agree on the files.
+    ``model.sources[name]`` when given (files as released, see ``models/released.py``), else the
+    subfolder ``name`` of ``model.path`` (diffusers layout).  Loading reads exactly these files,
+    so identity and loading always agree.
     """
+    if name in (cfg.model.sources or {}):
+        return _expand(cfg.model.sources[name], f"model.sources.{name}")
     root = Path(cfg.model.path)
-    if not root.is_dir():
-        raise InputError(f"model.path {root} is not a directory (expected a diffusers-layout model folder)")
+    if not cfg.model.path or not root.is_dir():
+        raise InputError(f"model.path {root} is not a directory (expected a diffusers-layout model folder); "
+                         f"or give model.sources.{name}")
     folder = root / name
     if not folder.is_dir():
         raise InputError(f"model folder {root} has no {name}/ component, which family {spec.name} needs")
     return sorted(p for p in folder.rglob("*") if p.is_file())
+
+
+def load_components(cfg: RunConfig, spec: FamilySpec, names: tuple[str, ...], device: str = "cpu") -> dict:
+    """Components ``names``: from ``model.sources`` (released files) or the diffusers folder ``model.path``."""
+    from diffsynth_core.models import released
+
+    dtype, out = model_dtype(cfg), {}
+    sources = cfg.model.sources or {}
+    from_folder = tuple(n for n in names if n not in sources)
+    if from_folder:
+        for name in from_folder:
+            component_files(cfg, spec, name)  # a missing folder is one clear line, naming model.path
+        out.update(spec.load_components(Path(cfg.model.path), from_folder, dtype, device))
+    for name in names:
+        if name not in sources:
+            continue
+        out[name] = released.load_named(spec.released_formats, name, component_files(cfg, spec, name), dtype, device)
+    return {name: out[name] for name in names}
+
+
+def check_lora_targets(cfg: RunConfig, spec: FamilySpec) -> None:
+    """Every LoRA target must name a Linear of the DiT: checked on a weightless (meta) build, so a
+    bad target is reported before any server starts or weight is read (all bad ones in one line)."""
+    from diffsynth_core.models import released
+    from diffsynth_core.training.lora import resolve_lora_targets
+
+    train, name = cfg.train, spec.transformer_component
+    if train.lora_checkpoint or train.lora_rank <= 0 or name in train.trainable_models or cfg.model.transformer_file:
+        return
+    if name in (cfg.model.sources or {}):
+        model = released.build_on_meta(spec.released_formats, name, component_files(cfg, spec, name))
+    elif (Path(cfg.model.path) / "model_index.json").is_file():
+        component_files(cfg, spec, name)  # the folder must exist (one clear line otherwise)
+        model = released.build_folder_component_on_meta(Path(cfg.model.path), name)
+    else:
+        return  # not a diffusers folder: loading reports it
+    resolve_lora_targets(model, train.lora_target_modules or list(spec.lora_target_modules))
 
 
 def _file_label(path: Path, folder: Path) -> str:
@@ -87,8 +142,11 @@ def _file_label(path: Path, folder: Path) -> str:
 
 def component_digests(cfg: RunConfig, spec: FamilySpec, name: str) -> dict[str, str]:
     """sha256 of every file component ``name`` loads from, by name within the component."""
+    paths = component_files(cfg, spec, name)
     folder = Path(cfg.model.path) / name
-    return {_file_label(path, folder): file_digest(path) for path in component_files(cfg, spec, name)}
+    if name in (cfg.model.sources or {}):  # files as released: named within their common folder
+        folder = Path(os.path.commonpath([str(p.parent) for p in paths]))
+    return {_file_label(path, folder): file_digest(path) for path in paths}
 
 
 def encoder_identity(cfg: RunConfig, spec: FamilySpec) -> dict:

@@ -2,7 +2,8 @@
 
 Sections hold plain values only (no devices, modules or open stores); live objects are built
 from them at run time.  Loads from TOML or YAML, takes ``--set section.key=value`` overrides
-and DiffSynth-Studio flag names, and is saved beside every output as ``config.toml``.
+(DiffSynth-Studio flags are translated in ``stages/compat/diffsynth.py``), and is saved beside
+every output as ``config.toml``.
 """
 
 from __future__ import annotations
@@ -60,6 +61,16 @@ class ModelSection(_Section):
     path: str = ""                       # model folder in the diffusers layout
     transformer_file: str | None = None  # optional single .safetensors DiT replacing path/transformer
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    # Components loaded from files as released instead of model.path: {"transformer": [files or
+    # folders], "vae": [...], "tokenizer": [folder], ...} (docs/diffsynth.md lists the formats).
+    sources: dict[str, list[str]] | None = None
+
+    @model_validator(mode="after")
+    def _sources_name_files(self):
+        for name, paths in (self.sources or {}).items():
+            if not paths or not all(isinstance(p, str) and p for p in paths):
+                raise ValueError(f"model.sources.{name} must be a non-empty list of file or folder paths")
+        return self
 
 
 class CacheSection(_Section):
@@ -110,7 +121,8 @@ class TrainSection(_Section):
     lora_alpha: float | None = None   # None: equal to the rank (scale 1)
     lora_target_modules: list[str] | None = None  # None: the family's defaults
     lora_init: Literal["gaussian", "default", "pissa", "olora"] = "gaussian"
-    preset_lora_path: str | None = None
+    preset_lora_path: str | None = None  # a LoRA fused into the base weights before training (at its alpha/r)
+    lora_checkpoint: str | None = None   # a LoRA whose training continues (its rank, alpha, targets, weights)
     trainable_models: list[str] = []
     gradient_checkpointing: bool = True
     gradient_checkpointing_offload: bool = False
@@ -161,6 +173,13 @@ class RunConfig(_Section):
     offload: OffloadSection = OffloadSection()
     output: OutputSection = OutputSection()
 
+    @model_validator(mode="after")
+    def _validation_needs_a_pipeline_folder(self):
+        if self.train.validation_prompts and self.model.sources and not self.model.path:
+            raise ValueError("train.validation_prompts renders with the diffusers pipeline, which needs model.path "
+                             "(a diffusers-layout folder); model.sources alone cannot build it")
+        return self
+
     # -- derived paths ------------------------------------------------------------------------
     @property
     def output_dir(self) -> Path:
@@ -195,37 +214,6 @@ class RunConfig(_Section):
             handle.write(self.to_toml())
         tmp.replace(path)
         return path
-
-
-# DiffSynth-Studio flag name -> dotted RunConfig key, so users can bring their scripts.
-DIFFSYNTH_FLAGS: dict[str, str] = {
-    "dataset_base_path": "dataset.base_path",
-    "dataset_metadata_path": "dataset.metadata_path",
-    "dataset_repeat": "dataset.repeat",
-    "data_file_keys": "dataset.data_file_keys",
-    "max_pixels": "dataset.max_pixels",
-    "height": "dataset.height",
-    "width": "dataset.width",
-    "num_frames": "dataset.num_frames",
-    "learning_rate": "train.learning_rate",
-    "weight_decay": "train.weight_decay",
-    "num_epochs": "train.num_epochs",
-    "save_steps": "train.save_steps",
-    "gradient_accumulation_steps": "train.gradient_accumulation_steps",
-    "lora_rank": "train.lora_rank",
-    "lora_alpha": "train.lora_alpha",
-    "lora_target_modules": "train.lora_target_modules",
-    "lora_checkpoint": "train.preset_lora_path",
-    "preset_lora_path": "train.preset_lora_path",
-    "trainable_models": "train.trainable_models",
-    "use_gradient_checkpointing": "train.gradient_checkpointing",
-    "use_gradient_checkpointing_offload": "train.gradient_checkpointing_offload",
-    "enable_model_cpu_offload": "offload.enable_model_cpu_offload",
-    "enable_optimizer_cpu_offload": "offload.enable_optimizer_cpu_offload",
-    "cpu_offload_split_threshold": "offload.cpu_offload_split_threshold",
-    "output_path": "output.path",
-    "seed": "train.seed",
-}
 
 
 def _parse_value(text: str) -> Any:
@@ -288,21 +276,3 @@ def build_config(data: dict[str, Any], overrides: list[str] = (), source: str = 
 
 def load_config(path: Path | str, overrides: list[str] = ()) -> RunConfig:
     return build_config(read_config_file(path), overrides, source=str(path))
-
-
-def diffsynth_flags_to_overrides(argv: list[str]) -> list[str]:
-    """Turn ``--dataset_base_path x --use_gradient_checkpointing`` into ``--set`` overrides."""
-    overrides, i = [], 0
-    while i < len(argv):
-        arg = argv[i]
-        name = arg[2:].split("=", 1)[0] if arg.startswith("--") else None
-        if name not in DIFFSYNTH_FLAGS:
-            raise ConfigError(f"unknown argument {arg!r}")
-        if "=" in arg:
-            value, i = arg.split("=", 1)[1], i + 1
-        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            value, i = argv[i + 1], i + 2
-        else:  # a bare flag is a boolean switch
-            value, i = "true", i + 1
-        overrides.append(f"{DIFFSYNTH_FLAGS[name]}={value}")
-    return overrides

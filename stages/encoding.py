@@ -27,7 +27,7 @@ from diffsynth_core.models import Components, FamilySpec
 from diffsynth_core.models.encoders import enable_vae_tiling
 from diffsynth_core.training.device import avoid_broken_kernels
 
-from .common import model_dtype, resolve_device
+from .common import load_components, model_dtype, resolve_device
 from .config import RunConfig
 from .decoding import decoded, shape_batches
 from .encoder_memory import Placement, place_encoders, vae_tile
@@ -118,10 +118,10 @@ def size_bound(cfg: RunConfig) -> tuple[int, int, int]:
 def load_encoders(cfg: RunConfig, spec: FamilySpec, device: torch.device) -> Encoders:
     """Load what encoding reads (once per process: see ``POOL``) and place it on ``device``."""
     dtype = model_dtype(cfg)
-    if spec.load_encoders is not None:
+    if spec.load_encoders is not None and not cfg.model.sources:
         components = spec.load_encoders(Path(cfg.model.path), dtype)
-    else:
-        components = spec.load_components(cfg.model.path, spec.encoder_components, dtype, "cpu")
+    else:  # files as released (model.sources), whole components; or a family without an encoder-only loader
+        components = load_components(cfg, spec, spec.encoder_components)
     offload = cfg.preprocess.offload_encoders
     stream = device.type == "cuda" if offload == "auto" else bool(offload)
     placement = place_encoders(components, spec, device, stream, cfg.preprocess.vram_budget_gb,

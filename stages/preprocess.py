@@ -23,6 +23,7 @@ from .secrets import storage_options
 from diffsynth_core.errors import InputError
 
 log = logging.getLogger(__name__)
+PREPROCESS_CONFIG = "preprocess.toml"  # the config that encoded the cache, beside it in output.path
 
 
 @dataclass
@@ -112,5 +113,8 @@ def finalize(cfg: RunConfig, skipped: list[dict] = (), plan: Plan | None = None)
     plan = plan or make_plan(cfg)
     store = _open_store(cfg, plan, writer=None)
     found = needs(plan, store, cfg.dataset.skip_bad_samples, list(skipped))
+    # Which dataset and encoders made this cache: a training step that names only the DiT
+    # (DiffSynth's `--task sft:train`) reads them from here (stages/compat/diffsynth.py).
+    cfg.save(cfg.output_dir / PREPROCESS_CONFIG)
     return CacheSummary(store.url, None, cfg.preprocess.parts, found.rows, 0, len(found.train),
                         found.skipped, complete=found.complete)

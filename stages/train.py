@@ -27,7 +27,7 @@ from diffsynth_core.training.ema import swapped_weights
 from diffsynth_core.training.lora import lora_state_dict
 from diffsynth_core.training.loop import Trainer
 
-from .common import init_distributed, is_main_process, model_dtype, resolve_device
+from .common import init_distributed, is_main_process, load_components, model_dtype, resolve_device
 from .config import RunConfig
 from .identity import METADATA_KEY, base_model, check_resume_base
 from .keys import empty_prompt_key, training_keys
@@ -94,8 +94,7 @@ def load_transformer(cfg: RunConfig, spec: FamilySpec) -> torch.nn.Module:
     if cfg.model.transformer_file:
         config_dir = Path(cfg.model.path) / spec.transformer_component
         return spec.load_transformer_file(Path(cfg.model.transformer_file), config_dir, dtype)
-    names = (spec.transformer_component,)
-    return spec.load_components(Path(cfg.model.path), names, dtype, "cpu")[spec.transformer_component]
+    return load_components(cfg, spec, (spec.transformer_component,))[spec.transformer_component]
 
 
 def _export(spec: FamilySpec, result, output: Path) -> dict[str, str]:

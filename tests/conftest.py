@@ -37,3 +37,19 @@ def prefect_harness():
     with prefect_test_harness(server_startup_timeout=120):
         with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
             yield
+
+
+@pytest.fixture(scope="session")
+def released_models(tmp_path_factory):
+    """``family -> root``: tiny models as DiffSynth keeps releases (``root/models/<model_id>/...``)
+    and in the diffusers layout (``root/reference``); built once per run (tests/core/models/released_layouts.py)."""
+    from tests.core.models.released_layouts import build_release
+
+    cache: dict = {}
+
+    def get(family: str):
+        if family not in cache:
+            cache[family] = build_release(family, tmp_path_factory.mktemp(f"release-{family}"))
+        return cache[family]
+
+    return get

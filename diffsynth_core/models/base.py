@@ -105,3 +105,11 @@ class FamilySpec:
     encoder_variants: tuple[str, ...] = ()
     # build_encoders(variant, dtype, device) -> what load_encoders returns, with random weights (benchmarks)
     build_encoders: Callable[[str, torch.dtype, str], Components] | None = None
+    # --- files as released (models/released.py) ---------------------------------------------------
+    # How each component is stored in released files (recognised from keys; config from shapes).
+    released_formats: tuple = ()
+    # DiffSynth-Studio's module names for LoRA targets -> diffusers target patterns (``*`` = one segment).
+    lora_target_aliases: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # native_module_name(name) -> the diffusers name of a DiT module named as in the original
+    # release (LoRA files with native keys), or None; None where the release uses diffusers names.
+    native_module_name: Callable[[str], str | None] | None = None

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 import torch
 
-from . import encoders, lora_export, single_file, tiny_tokenizers
+from . import encoders, flux_released, lora_export, single_file, tiny_tokenizers
 from .base import Components, FamilySpec
 from .inputs import check_pixel_batch, check_pixels, prompt_length, t5_xxl_prompt_bytes
 from .loading import load_component
@@ -291,4 +291,6 @@ SPEC = FamilySpec(
     build_encoders=build_encoders,
     extras={"latent_channels": 16, "vae_scale_factor": VAE_SCALE, "pixel_multiple": VAE_SCALE * PATCH,
             "default_max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH, "train_guidance": TRAIN_GUIDANCE},
+    released_formats=flux_released.FORMATS,
+    lora_target_aliases=flux_released.DIFFSYNTH_LORA_NAMES,
 )

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import torch
 
-from . import encoders, lora_export, single_file, tiny_tokenizers
+from . import encoders, lora_export, qwen_image_released, single_file, tiny_tokenizers
 from .base import Components, FamilySpec
 from .inputs import check_pixel_batch, check_pixels
 from .latents import per_channel_normalised_modes
@@ -293,4 +293,5 @@ SPEC = FamilySpec(
     build_encoders=build_encoders,
     extras={"latent_channels": 16, "vae_scale_factor": VAE_SCALE, "pixel_multiple": VAE_SCALE * PATCH,
             "default_max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH},
+    released_formats=qwen_image_released.FORMATS,  # DiffSynth's Qwen-Image module names are diffusers'
 )

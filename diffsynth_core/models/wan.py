@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 import torch
 
-from . import encoders, lora_export, single_file, tiny_tokenizers
+from . import encoders, lora_export, single_file, tiny_tokenizers, wan_released
 from .base import Components, FamilySpec
 from .inputs import check_pixel_batch, check_pixels, prompt_length, t5_xxl_prompt_bytes
 from .latents import per_channel_normalised_modes
@@ -73,6 +73,26 @@ def native_name(name: str) -> str:
                 break
             raise ValueError(f"no Wan native name for {name!r} (at {rest!r})")
         out.append(_NATIVE_BLOCK[match])
+        rest = rest[len(match) + 1:]
+    return ".".join(parts[:2] + out)
+
+
+def diffusers_module_name(native: str) -> str | None:
+    """The inverse of :func:`native_name` for module names (``blocks.0.self_attn.q`` -> ``blocks.0.attn1.to_q``);
+    None for a name Wan's release does not use."""
+    for diffusers_name, root in _NATIVE_ROOT.items():
+        if native == root:
+            return diffusers_name
+    parts = native.split(".")
+    if len(parts) < 3 or parts[0] != "blocks":
+        return None
+    inverse = {v: k for k, v in _NATIVE_BLOCK.items()}
+    rest, out = ".".join(parts[2:]), []
+    while rest:
+        match = next((n for n in sorted(inverse, key=len, reverse=True) if rest == n or rest.startswith(n + ".")), None)
+        if match is None:
+            return None
+        out.append(inverse[match])
         rest = rest[len(match) + 1:]
     return ".".join(parts[:2] + out)
 
@@ -291,4 +311,7 @@ SPEC = FamilySpec(
     build_encoders=build_encoders,
     extras={"latent_channels": 16, "vae_scale_factor": VAE_SCALE, "pixel_multiple": VAE_SCALE * PATCH,
             "default_max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH, "num_train_timesteps": NUM_TRAIN_TIMESTEPS},
+    released_formats=wan_released.FORMATS,
+    lora_target_aliases=wan_released.DIFFSYNTH_LORA_NAMES,
+    native_module_name=diffusers_module_name,
 )

@@ -1,27 +1,54 @@
-"""LoRA on a DiT with peft: explicit target matching, fp32 adapters, preset-LoRA fusing.
+"""LoRA on a DiT with peft: explicit target matching, fp32 adapters, LoRA files read back.
 
-Targets are matched as exact module names or dotted suffixes ("to_q" matches
-"transformer_blocks.3.attn.to_q"), resolved here to full names before peft sees them, so peft
-never interprets a target as a regex.  A target that matches nothing is an error.
+Targets are matched as exact module names, dotted suffixes ("to_q" matches
+"transformer_blocks.3.attn.to_q") or patterns with ``*`` for one name segment
+("transformer_blocks.*.attn.to_q" leaves the single blocks' to_q alone), resolved here to full
+names before peft sees them, so peft never interprets a target as a regex.  A target that
+matches nothing is an error.
+
+A LoRA file (diffusers', ComfyUI's, peft's or a release's own module names) is read into
+``{module: (A, B, alpha)}``: continuing its training (``inject_lora_from_file``) or fusing it into
+the base weights (``fuse_lora_file``) use its own rank and alpha.  Alpha comes from ``.alpha``
+tensors (ComfyUI, kohya) or the header: diffusers' ``save_lora_weights`` writes the LoRA config
+as ``lora_adapter_metadata`` with each key prefixed by the component (``transformer.lora_alpha``);
+peft writes it unprefixed.  Without either, alpha = rank (scale 1: what ComfyUI and DiffSynth assume).
 """
 
 from __future__ import annotations
 
+import json
+import math
+import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
+
 from ..errors import InputError
 
 ADAPTER_NAME = "default"
+# Component and wrapper prefixes of LoRA keys (diffusers, ComfyUI, peft).
+_KEY_PREFIXES = ("transformer.", "model.diffusion_model.", "diffusion_model.", "base_model.model.")
+_DOWN = (".lora_A.weight", ".lora_A.default.weight", ".lora_down.weight")
+_UP = (".lora_B.weight", ".lora_B.default.weight", ".lora_up.weight")
+_HEADER_KEYS = ("lora_adapter_metadata", "splitflow_lora_config")
+
+
+def _target_regex(target: str) -> re.Pattern:
+    """Exact name or dotted suffix, ``*`` standing for one name segment."""
+    body = r"[^.]+".join(re.escape(part) for part in target.split("*"))
+    return re.compile(rf"(?:.*\.)?{body}")
 
 
 def resolve_lora_targets(model: nn.Module, targets: list[str] | tuple[str, ...]) -> list[str]:
-    """Full names of the Linear modules that ``targets`` name (exact or dotted suffix)."""
+    """Full names of the Linear modules that ``targets`` name (exact, dotted suffix or ``*`` pattern)."""
     linear_names = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     resolved, unmatched = [], []
     for target in targets:
-        hits = [n for n in linear_names if n == target or n.endswith("." + target)]
+        pattern = _target_regex(target)
+        hits = [n for n in linear_names if pattern.fullmatch(n)]
         if not hits:
             unmatched.append(target)
         resolved.extend(h for h in hits if h not in resolved)
@@ -31,6 +58,14 @@ def resolve_lora_targets(model: nn.Module, targets: list[str] | tuple[str, ...])
             f"examples of valid names: {sorted({n.split('.')[-1] for n in linear_names})[:20]}"
         )
     return resolved
+
+
+def _mark_adapters_trainable(model: nn.Module) -> None:
+    for name, param in model.named_parameters():
+        if "lora_" in name:
+            # fp32 adapters over a bf16 base: peft casts the input to the adapter dtype.
+            param.data = param.data.float()
+            param.requires_grad_(True)
 
 
 def inject_lora(model: nn.Module, targets, rank: int, alpha: float | None = None,
@@ -45,11 +80,7 @@ def inject_lora(model: nn.Module, targets, rank: int, alpha: float | None = None
                         lora_dropout=0.0)
     model.requires_grad_(False)
     inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
-    for name, param in model.named_parameters():
-        if "lora_" in name:
-            # fp32 adapters over a bf16 base: peft casts the input to the adapter dtype.
-            param.data = param.data.float()
-            param.requires_grad_(True)
+    _mark_adapters_trainable(model)
     return {"r": rank, "lora_alpha": alpha, "target_modules": list(targets), "init_lora_weights": init}
 
 
@@ -60,37 +91,127 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}
 
 
-def fuse_lora_file(model: nn.Module, path: Path | str, scale: float = 1.0) -> int:
-    """Fuse a diffusers/peft-format LoRA file into the base weights (W += s * alpha/r * B @ A).
+# --- LoRA files ----------------------------------------------------------------------------------
 
-    Used for differential training on top of a preset LoRA.  Returns the number of fused
-    modules; keys that name no module are an error naming the key and file.
-    """
-    import json
+@dataclass
+class LoraModule:
+    down: torch.Tensor   # A: (r, in)
+    up: torch.Tensor     # B: (out, r)
+    alpha: float
 
+    @property
+    def rank(self) -> int:
+        return self.down.shape[0]
+
+
+def _header_config(metadata: dict[str, str]) -> dict:
+    """The LoRA config in a safetensors header, with diffusers' ``transformer.`` key prefix removed."""
+    for key in _HEADER_KEYS:
+        if key in metadata:
+            raw = json.loads(metadata[key])
+            return {k.split(".", 1)[1] if k.startswith("transformer.") else k: v for k, v in raw.items()}
+    return {}
+
+
+def _split_key(key: str) -> tuple[str, str]:
+    """``(module, part)`` with part "down", "up" or "alpha"; module keeps the file's naming."""
+    for prefix in _KEY_PREFIXES:
+        if key.startswith(prefix):
+            key = key[len(prefix):]
+            break
+    for part, suffixes in (("down", _DOWN), ("up", _UP), ("alpha", (".alpha",))):
+        for suffix in suffixes:
+            if key.endswith(suffix):
+                return key[: -len(suffix)], part
+    return key, ""
+
+
+def _header_alpha(config: dict, module: str, rank: int) -> float:
+    for pattern, alpha in (config.get("alpha_pattern") or {}).items():
+        if re.fullmatch(rf"(?:.*\.)?{pattern}", module):
+            return float(alpha)
+    alpha = float(config.get("lora_alpha", rank))
+    return alpha * math.sqrt(rank) if config.get("use_rslora") else alpha  # as an alpha/r scale
+
+
+def read_lora_file(path: Path | str, modules: set[str],
+                   rename: Callable[[str], str | None] | None = None) -> dict[str, LoraModule]:
+    """``{diffusers module name: LoraModule}`` from a LoRA file, every key checked against ``modules``."""
     from safetensors import safe_open
 
     path = Path(path)
+    if not path.is_file():
+        raise InputError(f"LoRA file {path} not found")
     with safe_open(str(path), framework="pt") as handle:
         tensors = {k: handle.get_tensor(k) for k in handle.keys()}
-        metadata = handle.metadata() or {}
-    alpha_by_rank = json.loads(metadata.get("lora_adapter_metadata", "{}")).get("lora_alpha")
-    modules = dict(model.named_modules())
-    fused = 0
-    for key, down in tensors.items():
-        if ".lora_A." not in key:
-            continue
-        module_name = key.split(".lora_A.")[0].removeprefix("transformer.").removeprefix("diffusion_model.")
-        if module_name not in modules:
-            raise InputError(f"preset LoRA {path}: key {key!r} names no module of the model")
-        up = tensors[key.replace(".lora_A.", ".lora_B.")]
-        alpha_key = key.split(".lora_A.")[0] + ".alpha"
-        rank = down.shape[0]
-        alpha = float(tensors[alpha_key]) if alpha_key in tensors else float(alpha_by_rank or rank)
-        weight = modules[module_name].weight
-        delta = (up.float() @ down.float()) * (scale * alpha / rank)
+        config = _header_config(handle.metadata() or {})
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        module, part = _split_key(key)
+        if not part:
+            raise InputError(f"LoRA file {path}: key {key!r} is not a LoRA down/up weight or alpha")
+        if module not in modules and rename is not None:
+            module = rename(module) or module
+        if module not in modules:
+            raise InputError(f"LoRA file {path}: key {key!r} names no module of the model")
+        parts.setdefault(module, {})[part] = value
+    out = {}
+    for module, found in parts.items():
+        if "down" not in found or "up" not in found:
+            raise InputError(f"LoRA file {path}: module {module!r} lacks its lora_A (down) or lora_B (up) weight")
+        rank = found["down"].shape[0]
+        alpha = float(found["alpha"]) if "alpha" in found else _header_alpha(config, module, rank)
+        out[module] = LoraModule(found["down"], found["up"], alpha)
+    if not out:
+        raise InputError(f"LoRA file {path}: no lora_A/lora_B pairs found")
+    return out
+
+
+def _linear_modules(model: nn.Module) -> dict[str, nn.Linear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
+def fuse_lora_file(model: nn.Module, path: Path | str, scale: float = 1.0,
+                   rename: Callable[[str], str | None] | None = None) -> int:
+    """Fuse a LoRA file into the base weights (``W += scale * alpha/r * B @ A``); returns the module count.
+
+    Used for differential training on top of a preset LoRA.
+    """
+    linears = _linear_modules(model)
+    loras = read_lora_file(path, set(linears), rename)
+    for module, lora in loras.items():
+        weight = linears[module].weight
+        delta = (lora.up.float() @ lora.down.float()) * (scale * lora.alpha / lora.rank)
         weight.data += delta.to(weight.dtype)
-        fused += 1
-    if fused == 0:
-        raise InputError(f"preset LoRA {path}: no lora_A/lora_B pairs found")
-    return fused
+    return len(loras)
+
+
+def inject_lora_from_file(model: nn.Module, path: Path | str,
+                          rename: Callable[[str], str | None] | None = None) -> dict:
+    """Freeze ``model`` and add the LoRA of ``path`` as a trainable adapter, initialised from its weights.
+
+    Rank, alpha and targets are the file's (per module when they differ); returns the LoRA config.
+    """
+    from peft import LoraConfig, inject_adapter_in_model
+
+    loras = read_lora_file(path, set(_linear_modules(model)), rename)
+    names = sorted(loras)
+    first = loras[names[0]]
+    rank_pattern = {re.escape(m): l.rank for m, l in loras.items() if l.rank != first.rank}
+    alpha_pattern = {re.escape(m): l.alpha for m, l in loras.items() if l.alpha != first.alpha}
+    config = LoraConfig(r=first.rank, lora_alpha=first.alpha, target_modules=names, rank_pattern=rank_pattern,
+                        alpha_pattern=alpha_pattern, lora_dropout=0.0, init_lora_weights=True)
+    model.requires_grad_(False)
+    inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for name, lora in loras.items():
+            modules[name].lora_A[ADAPTER_NAME].weight.copy_(lora.down)
+            modules[name].lora_B[ADAPTER_NAME].weight.copy_(lora.up)
+    _mark_adapters_trainable(model)
+    result = {"r": first.rank, "lora_alpha": first.alpha, "target_modules": names, "init_lora_weights": "default"}
+    if rank_pattern:
+        result["rank_pattern"] = rank_pattern
+    if alpha_pattern:
+        result["alpha_pattern"] = alpha_pattern
+    return result

@@ -3,7 +3,8 @@
 ``prepare_for_training`` runs, in this order:
 
 1. fuse a preset LoRA into the base weights (it must see the plain base Linear layers);
-2. choose what trains: a fresh LoRA adapter (peft) or whole components (full fine-tuning);
+2. choose what trains: a LoRA adapter (peft; fresh, or continued from ``train.lora_checkpoint``
+   with that file's rank, alpha, targets and weights) or whole components (full fine-tuning);
 3. gradient checkpointing per block (it wraps the blocks that LoRA has already modified);
 4. device placement: the offload engine streams frozen weights from host memory, or the
    whole model moves to the device (the engine must see the final module tree and know
@@ -17,6 +18,7 @@ Options come from ``train`` and ``offload`` sections (any objects with the attri
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,8 +27,10 @@ from torch import nn
 
 from ..models.base import FamilySpec
 from . import optimizers
-from .lora import fuse_lora_file, inject_lora
+from .lora import fuse_lora_file, inject_lora, inject_lora_from_file
 from ..errors import InputError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -69,9 +73,18 @@ def _choose_trainable(model: nn.Module, spec: FamilySpec, train) -> dict[str, An
     if unknown:
         raise InputError(f"train.trainable_models: {sorted(unknown)} cannot be trained from the cache; "
                          f"stage 2 holds only {spec.transformer_component!r}")
+    lora_checkpoint = getattr(train, "lora_checkpoint", None)
     if full_finetune:
+        if lora_checkpoint:
+            raise InputError("train.lora_checkpoint continues a LoRA; it cannot be combined with full fine-tuning "
+                             "(train.trainable_models includes the transformer)")
         model.requires_grad_(True)
         return None
+    if lora_checkpoint:
+        config = inject_lora_from_file(model, lora_checkpoint, spec.native_module_name)
+        log.info("continuing the LoRA of %s: rank %s, alpha %s, %d modules (its own settings, not train.lora_*)",
+                 lora_checkpoint, config["r"], config["lora_alpha"], len(config["target_modules"]))
+        return config
     if train.lora_rank <= 0:
         raise InputError("nothing to train: set train.lora_rank > 0 or train.trainable_models = ['transformer']")
     targets = train.lora_target_modules or list(spec.lora_target_modules)
@@ -110,7 +123,7 @@ def _place(model: nn.Module, spec: FamilySpec, offload, device: torch.device):
 
 def prepare_for_training(model: nn.Module, spec: FamilySpec, train, offload, device: torch.device) -> Prepared:
     if train.preset_lora_path:
-        fuse_lora_file(model, train.preset_lora_path)
+        fuse_lora_file(model, train.preset_lora_path, rename=spec.native_module_name)
     torch.manual_seed(train.seed)  # LoRA initialisation is part of the run's reproducibility
     lora_config = _choose_trainable(model, spec, train)
     _enable_checkpointing(model, spec, train)

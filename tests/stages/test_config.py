@@ -1,6 +1,7 @@
 import pytest
 
-from stages.config import (ConfigError, RunConfig, build_config, diffsynth_flags_to_overrides, load_config)
+from stages.compat.diffsynth import flag_overrides
+from stages.config import ConfigError, RunConfig, build_config, load_config
 
 
 def test_toml_round_trip_with_overrides(tmp_path):
@@ -38,7 +39,7 @@ def test_every_bad_value_is_reported_with_its_dotted_key():
 
 
 def test_diffsynth_flags_map_to_config_keys():
-    overrides = diffsynth_flags_to_overrides(
+    overrides = flag_overrides(
         ["--dataset_base_path", "data", "--use_gradient_checkpointing", "--lora_rank=32",
          "--lora_target_modules", "to_q,to_k,to_v", "--enable_model_cpu_offload"])
     cfg = build_config({}, overrides)
@@ -46,7 +47,7 @@ def test_diffsynth_flags_map_to_config_keys():
     assert cfg.train.lora_rank == 32 and cfg.train.lora_target_modules == ["to_q", "to_k", "to_v"]
     assert cfg.offload.enable_model_cpu_offload is True
     with pytest.raises(ConfigError, match="--not_a_flag"):
-        diffsynth_flags_to_overrides(["--not_a_flag", "1"])
+        flag_overrides(["--not_a_flag", "1"])
 
 
 def test_cache_url_defaults_under_the_output_dir():
