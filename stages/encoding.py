@@ -238,10 +238,9 @@ def encode_rows(cfg: RunConfig, plan, store, rows: list[int], part: int | None,
     with POOL.use(key, device, lambda: load_encoders(cfg, plan.spec, device)) as encoders:
         context = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         with context, torch.no_grad():
-            result = _encode_batches(cfg, plan, store, rows, encoders)
-            if empty_prompt_key is not None:
+            if empty_prompt_key is not None:  # first, so it is committed with the part's rows
                 _put_empty_prompt(cfg, store, encoders, empty_prompt_key)
-            return result
+            return _encode_batches(cfg, plan, store, rows, encoders)
 
 
 def _put_empty_prompt(cfg: RunConfig, store, encoders: Encoders, key: str) -> None:
@@ -251,7 +250,6 @@ def _put_empty_prompt(cfg: RunConfig, store, encoders: Encoders, key: str) -> No
     entry = {k: _own_host_copy(v) for k, v in parts.items()}
     entry["meta"] = {"prompt": "", "empty_prompt": True}
     store.put(key, entry)
-    store.commit()
 
 
 def _encode_batches(cfg: RunConfig, plan, store, rows: list[int], encoders: Encoders) -> tuple[int, list[dict]]:
