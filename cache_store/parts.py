@@ -235,7 +235,11 @@ class PartStore:
     # ---- checks and numbers -------------------------------------------------------------
     def verify(self, allow_nonfinite: bool = False) -> VerifyReport:
         """Read every committed entry: checksums, dtypes and shapes, finiteness."""
-        report = VerifyReport(missing=self.missing_keys(), errors=list(self.bad_parts.values()))
+        report = VerifyReport(errors=list(self.bad_parts.values()))
+        try:
+            report.missing = self.missing_keys()
+        except CacheFormatError as e:  # an unreadable dataset-keys.json is reported, not a crash
+            report.errors.append(str(e))
         for key in self._sorted_keys:
             report.checked += 1
             try:
@@ -294,9 +298,13 @@ class PartStore:
 
     def stats(self) -> dict[str, Any]:
         files = self.root.files()
-        wanted = self.dataset_keys()
+        try:
+            wanted, keys_error = self.dataset_keys(), None
+        except CacheFormatError as e:  # reported by inspect/verify instead of crashing them
+            wanted, keys_error = None, str(e)
         missing = self.missing_keys() if wanted is not None else []
         return {
+            "dataset_keys_error": keys_error,
             "url": self.url, "backend": self.backend, "fingerprint": self.fingerprint,
             "entries": len(self.keys()), "aux_entries": len(self._index) - len(self.keys()),
             "parts": len(self._parts),

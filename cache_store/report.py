@@ -29,8 +29,9 @@ def inspect_cache(url: str, *, verify: bool = False, storage_options: dict | Non
             info["files"] = sum(len([f for f in root.listdir(r) if f.endswith(".pth")])
                                 for r in root.listdir("") if r.isdigit())
         return info
-    info = {"kind": "splitflow", **store.stats(), "ok": True, "verified": verify}
-    info["missing_examples"] = store.missing_keys()[:MAX_LISTED]
+    info = {"kind": "splitflow", **store.stats(), "verified": verify}
+    info["ok"] = info["dataset_keys_error"] is None  # a corrupt dataset-keys.json is reported, not raised
+    info["missing_examples"] = store.missing_keys()[:MAX_LISTED] if info["ok"] else []
     if verify:
         report = store.verify(allow_nonfinite=allow_nonfinite)
         info.update(ok=report.ok, checked=report.checked, errors=report.errors)
@@ -63,6 +64,8 @@ def format_inspect(info: dict[str, Any]) -> str:
         f"dataset      {info['dataset_keys'] if info['dataset_keys'] is not None else '-'} keys, "
         f"{info['missing']} missing: {complete[info['complete']]}",
     ]
+    if info.get("dataset_keys_error"):
+        lines[-1] = f"dataset      UNREADABLE: {info['dataset_keys_error']} (re-run preprocess to rewrite it)"
     if info["bad_parts"]:
         lines.append(f"bad parts    {len(info['bad_parts'])} unreadable manifests: {', '.join(info['bad_parts'][:3])}")
     if info["orphan_parts"]:

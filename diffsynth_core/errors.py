@@ -20,6 +20,7 @@ This module imports nothing, so ``cache_store`` and ``stages`` can raise these t
 from __future__ import annotations
 
 import errno
+import re
 
 EXIT_OK = 0
 EXIT_BUG = 1
@@ -92,12 +93,31 @@ def classify(exc: BaseException) -> SplitflowError | None:
             return current
         if isinstance(current, ConnectionError) or type(current).__name__ in ("ConnectError", "ConnectTimeout"):
             return EnvironmentFailure(f"network: {current}")
-        if isinstance(current, OSError) and current.errno in _ENVIRONMENT_ERRNO:
-            where = f"{current.filename}: " if current.filename else ""
-            advice = _ERRNO_ADVICE.get(current.errno, current.strerror or str(current))
-            return EnvironmentFailure(f"{where}{advice}", retryable=current.errno not in _NOT_RETRYABLE_ERRNO)
+        code = _os_errno(current)
+        if code in _ENVIRONMENT_ERRNO:
+            filename = getattr(current, "filename", None)
+            where = f"{filename}: " if filename else ""
+            advice = _ERRNO_ADVICE.get(code, getattr(current, "strerror", None) or str(current))
+            return EnvironmentFailure(f"{where}{advice}", retryable=code not in _NOT_RETRYABLE_ERRNO)
+        if _SHORT_WRITE.search(str(current)):
+            return EnvironmentFailure("a file write stopped short (torch: unexpected pos): the disk is most likely "
+                                      "full; free space (or point output.path elsewhere) and re-run", retryable=False)
         current = current.__cause__ or current.__context__
     return None
+
+
+# Rust libraries (safetensors) report an OS error only inside their message: "... (os error 28)".
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+# torch.save to a path on a full disk: "[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"
+_SHORT_WRITE = re.compile(r"unexpected pos \d+ vs \d+")
+
+
+def _os_errno(exc: BaseException) -> int | None:
+    """The errno an exception carries: ``OSError.errno``, or the one a Rust library wrote in its message."""
+    if isinstance(exc, OSError):
+        return exc.errno
+    found = _RUST_OS_ERROR.search(str(exc))
+    return int(found.group(1)) if found else None
 
 
 def exit_code_of(exc: BaseException) -> int:

@@ -176,6 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _close_progress_bars() -> None:
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+
+
 def report_failure(verb: str, err: BaseException, debug: bool) -> int:
     """One line naming what failed and what to do; the documented exit code (README, DESIGN).
 
@@ -185,6 +192,7 @@ def report_failure(verb: str, err: BaseException, debug: bool) -> int:
     import traceback
 
     classified = classify(err)
+    _close_progress_bars()  # a bar left open by the failure would print itself after the error line
     if debug:
         traceback.print_exception(err, file=sys.stderr)
     if classified is None:

@@ -16,13 +16,18 @@ from .config import RunConfig
 from diffsynth_core.errors import InputError
 
 
-def resolve_device(name: str) -> torch.device:
-    """``auto`` picks the first CUDA device when there is one, else the CPU."""
+def resolve_device(name: str, key: str = "device") -> torch.device:
+    """``auto`` picks the first CUDA device when there is one, else the CPU; ``key`` names the setting."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise InputError(f"{key} = {name!r} is not a device: use auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise InputError(f"device {name!r} asked for, but this machine has no CUDA device")
+        raise InputError(f"{key} = {name!r}, but this machine has no CUDA device: set {key} = \"auto\" or \"cpu\"")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise InputError(f"{key} = {name!r}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
 
 
@@ -59,6 +64,8 @@ def open_dataset(cfg: RunConfig, spec: FamilySpec) -> SampleDataset:
         data_file_keys=tuple(section.data_file_keys), height=section.height, width=section.width,
         max_pixels=section.max_pixels, num_frames=section.num_frames, frame_multiple=spec.frame_multiple,
         repeat=section.repeat, skip_bad_samples=section.skip_bad_samples,
+        background=section.background, allow_external_paths=section.allow_external_paths,
+        stills_only=spec.frame_multiple == 1,  # image families (base.py: "image families use 1")
     )
 
 

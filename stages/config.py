@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -31,6 +32,16 @@ class ConfigError(InputError):
     """A config file, key or value is wrong; the message names the dotted key (exit code 2)."""
 
 
+# Devices the stages can run on ("auto": the first CUDA device if any, else the CPU).
+_DEVICE_RE = re.compile(r"^(auto|cpu|mps|(cuda|xpu)(:\d+)?)$")
+
+
+def _check_device(value: str) -> str:
+    if not _DEVICE_RE.match(value):
+        raise ValueError(f"{value!r} is not a device splitflow can use: auto, cpu, cuda or cuda:N")
+    return value
+
+
 class _Section(BaseModel):
     # Unknown keys are errors: a typo must never be silently ignored.
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -46,6 +57,22 @@ class DatasetSection(_Section):
     width: int | None = None
     num_frames: int = Field(1, ge=1)
     skip_bad_samples: bool = False
+    # Transparent pixels are composited on this colour (a name, #rgb or #rrggbb), never trained as
+    # whatever colour the file hides under them.
+    background: str = "white"
+    # Media paths must resolve inside base_path (no ../, absolute paths or symlinks out of it).
+    allow_external_paths: bool = False
+
+    @field_validator("background")
+    @classmethod
+    def _background_is_a_colour(cls, value: str) -> str:
+        from PIL import ImageColor
+
+        try:
+            ImageColor.getrgb(value)
+        except ValueError:
+            raise ValueError(f"{value!r} is not a colour: use a name (white, black), #rgb or #rrggbb") from None
+        return value
 
     @model_validator(mode="after")
     def _fixed_size_is_aligned(self):
@@ -93,7 +120,7 @@ class PreprocessSection(_Section):
     # needs it), and the devices parts are spread over ("all" GPUs or a list; empty: `device`).
     batch_size: int = Field(1, ge=1)
     decode_workers: int = Field(2, ge=0)
-    vram_budget_gb: float = Field(0.0, ge=0)
+    vram_budget_gb: float = Field(0.0, ge=0, allow_inf_nan=False)
     vae_tiling: Literal["auto", True, False] = "auto"
     devices: Literal["all"] | list[str] = []
 
@@ -103,22 +130,27 @@ class PreprocessSection(_Section):
             raise ValueError(f"preprocess.devices must be \"all\" or a list of device names, got {self.devices}")
         return self
 
+    @field_validator("device")
+    @classmethod
+    def _device_is_known(cls, value: str) -> str:
+        return _check_device(value)
+
 
 class TrainSection(_Section):
-    learning_rate: float = Field(1e-4, gt=0)
-    weight_decay: float = Field(0.01, ge=0)
+    learning_rate: float = Field(1e-4, gt=0, allow_inf_nan=False)
+    weight_decay: float = Field(0.01, ge=0, allow_inf_nan=False)
     optimizer: str = "torch.optim.AdamW"
     max_steps: int | None = Field(None, ge=1)
     num_epochs: int = Field(1, ge=1)
     save_steps: int = Field(0, ge=0)  # 0: checkpoint only at the end
     keep_checkpoints: int = Field(3, ge=1)
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32)  # torch generators take 64 bits; seeds are mixed with draw serials
     gradient_accumulation_steps: int = Field(1, ge=1)
     batch_size: int = Field(1, ge=1)  # samples per forward pass (bucketed by shape)
-    max_grad_norm: float | None = Field(1.0, gt=0)
+    max_grad_norm: float | None = Field(1.0, gt=0, allow_inf_nan=False)
     warmup_steps: int = Field(0, ge=0)
     lora_rank: int = Field(16, ge=0)  # 0 together with trainable_models: full fine-tuning
-    lora_alpha: float | None = None   # None: equal to the rank (scale 1)
+    lora_alpha: float | None = Field(None, gt=0, allow_inf_nan=False)  # None: equal to the rank (scale 1)
     lora_target_modules: list[str] | None = None  # None: the family's defaults
     lora_init: Literal["gaussian", "default", "pissa", "olora"] = "gaussian"
     preset_lora_path: str | None = None  # a LoRA fused into the base weights before training (at its alpha/r)
@@ -128,9 +160,9 @@ class TrainSection(_Section):
     gradient_checkpointing_offload: bool = False
     # "auto": the family's default (DiffSynth's schedule for every built-in family); docs/training.md
     timestep_sampling: Literal["auto", "uniform", "logit_normal", "shift", "resolution_shift", "diffsynth"] = "auto"
-    logit_mean: float = 0.0
-    logit_std: float = 1.0
-    shift: float = Field(3.0, gt=0)
+    logit_mean: float = Field(0.0, allow_inf_nan=False)
+    logit_std: float = Field(1.0, gt=0, allow_inf_nan=False)
+    shift: float = Field(3.0, gt=0, allow_inf_nan=False)
     loss_weighting: Literal["auto", "none", "sigma_sqrt", "cosmap", "diffsynth"] = "auto"
     device: str = "auto"
     retries: int = Field(1, ge=0)
@@ -142,6 +174,13 @@ class TrainSection(_Section):
     drop_last: bool = False  # a bucket's last batch smaller than batch_size: dropped (true) or trained (false)
     caption_dropout: float = Field(0.0, ge=0, le=1)  # probability of training a sample on the empty prompt
     ema_decay: float = Field(0.0, ge=0, lt=1)  # 0: no EMA; else e.g. 0.999, exported as lora_ema.safetensors
+    # A step whose loss or gradients are NaN/Inf is skipped (no update); this many in a row stop the run.
+    max_nonfinite_steps: int = Field(3, ge=1)
+
+    @field_validator("device")
+    @classmethod
+    def _device_is_known(cls, value: str) -> str:
+        return _check_device(value)
 
     @field_validator("optimizer")
     @classmethod
@@ -154,7 +193,7 @@ class OffloadSection(_Section):
     enable_model_cpu_offload: bool = False
     enable_optimizer_cpu_offload: bool = False
     cpu_offload_split_threshold: int | None = None
-    vram_budget_gb: float = Field(0.0, ge=0)
+    vram_budget_gb: float = Field(0.0, ge=0, allow_inf_nan=False)
     prefetch: int = Field(1, ge=0)
     granularity: Literal["block", "leaf"] = "block"
     storage_dtype: str | None = None
@@ -238,11 +277,12 @@ def apply_override(data: dict[str, Any], dotted: str, value: Any) -> None:
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:
-    lines = [f"invalid config ({source}):"]
+    """Every problem on one line, each naming its dotted key (the CLI shows one line per failure)."""
+    problems = []
     for item in err.errors():
         dotted = ".".join(str(part) for part in item["loc"])
-        lines.append(f"  {dotted}: {item['msg']}")
-    return "\n".join(lines)
+        problems.append(f"{dotted}: {item['msg'].removeprefix('Value error, ')}")
+    return f"invalid config ({source}): " + "; ".join(problems)
 
 
 def read_config_file(path: Path | str) -> dict[str, Any]:

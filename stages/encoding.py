@@ -49,7 +49,8 @@ def preprocess_devices(cfg: RunConfig) -> list[str]:
 def part_device(cfg: RunConfig, part: int | None) -> torch.device:
     """Part ``k`` runs on device ``k mod len(devices)``; the whole dataset (part None) on the first."""
     devices = preprocess_devices(cfg)
-    return resolve_device(devices[(part or 0) % len(devices)])
+    key = "preprocess.devices" if cfg.preprocess.devices else "preprocess.device"
+    return resolve_device(devices[(part or 0) % len(devices)], key)
 
 
 # --- the encoders of one device ------------------------------------------------------------------
@@ -228,8 +229,9 @@ def row_key_settings(cfg: RunConfig, spec: FamilySpec, settings: dict) -> dict:
 
 
 def encode_rows(cfg: RunConfig, plan, store, rows: list[int], part: int | None,
-                empty_prompt_key: str | None = None) -> tuple[int, list[dict]]:
-    """Encode ``rows`` of ``plan`` into ``store``; returns (entries written, skipped bad rows).
+                empty_prompt_key: str | None = None) -> tuple[int, list[dict], list[tuple[int, int]]]:
+    """Encode ``rows`` of ``plan`` into ``store``; returns (entries written, skipped bad rows,
+    (row, tokens kept) of each prompt the text encoder truncated).
 
     ``empty_prompt_key``: also encode the empty prompt under that key (caption dropout's
     replacement embedding; once per cache, an auxiliary entry that is no sample)."""
@@ -252,7 +254,8 @@ def _put_empty_prompt(cfg: RunConfig, store, encoders: Encoders, key: str) -> No
     store.put(key, entry)
 
 
-def _encode_batches(cfg: RunConfig, plan, store, rows: list[int], encoders: Encoders) -> tuple[int, list[dict]]:
+def _encode_batches(cfg: RunConfig, plan, store, rows: list[int],
+                    encoders: Encoders) -> tuple[int, list[dict], list[tuple[int, int]]]:
     from tqdm.auto import tqdm
 
     p = cfg.preprocess
@@ -261,7 +264,7 @@ def _encode_batches(cfg: RunConfig, plan, store, rows: list[int], encoders: Enco
     max_length = p.max_sequence_length
     options = {"max_sequence_length": max_length} if max_length else {}
     items = decoded(plan.dataset, rows, p.decode_workers, lookahead=max(2 * p.decode_workers, p.batch_size))
-    encoded, skipped = 0, []
+    encoded, skipped, truncated = 0, [], []
     with tqdm(total=len(rows), desc="preprocess", unit="sample") as progress:
         for batch in shape_batches(items, p.batch_size, max_pending=4 * p.batch_size, group=tiles.get):
             samples = [(row, sample) for row, sample in batch if sample is not None]
@@ -269,11 +272,13 @@ def _encode_batches(cfg: RunConfig, plan, store, rows: list[int], encoders: Enco
             for (row, sample), entry in zip(samples, _encode_batch(encoders, samples, tiles, options)):
                 store.put(plan.keys[row], entry)
                 encoded += 1
+                if entry["meta"].get("prompt_tokens", 0) > entry["meta"].get("prompt_tokens_kept", 0):
+                    truncated.append((row, entry["meta"]["prompt_tokens_kept"]))
                 if encoded % p.commit_every == 0:
                     store.commit()
             progress.update(len(batch))
     store.commit()
-    return encoded, skipped
+    return encoded, skipped, truncated
 
 
 def _encode_batch(encoders: Encoders, samples: list, tiles: dict, options: dict) -> list[dict]:
@@ -289,6 +294,9 @@ def _encode_batch(encoders: Encoders, samples: list, tiles: dict, options: dict)
         entry = {k: _own_host_copy(v) for k, v in {**a, **b}.items()}
         entry["meta"] = {"row": row, "prompt": prompt, "height": sample.height, "width": sample.width,
                          "num_frames": sample.num_frames, "files": [str(f) for f in sample.files]}
+        if encoders.spec.count_prompt_tokens is not None:  # recorded so truncation is reported (issue 9)
+            needed, kept = encoders.spec.count_prompt_tokens(encoders.components, prompt, **options)
+            entry["meta"].update(prompt_tokens=needed, prompt_tokens_kept=kept)
         entries.append(entry)
     return entries
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from cache_store import AUX_PREFIX, IncompleteCacheError, entry_key, fingerprint_of, open_cache
 from cache_store.opener import check_identity
 from diffsynth_core.data import SampleDataset
-from diffsynth_core.models import FamilySpec, get_family
+from diffsynth_core.models import FamilySpec, check_model_folder, get_family
 
 from .common import encoder_identity, open_dataset
 from .config import RunConfig
@@ -44,6 +44,7 @@ def make_plan(cfg: RunConfig, part: int | None = None) -> Plan:
     runs, so keying a dataset again costs a stat per file.)
     """
     spec = get_family(cfg.model.family)
+    check_model_folder(spec, cfg.model.path)
     dataset = open_dataset(cfg, spec)
     identity = encoder_identity(cfg, spec)
     encoding = {"max_sequence_length": cfg.preprocess.max_sequence_length, "dtype": cfg.model.dtype,

@@ -35,6 +35,7 @@ class CacheSummary:
     encoded: int          # entries written now
     reused: int           # entries already in the cache
     skipped: list[dict] = field(default_factory=list)  # bad rows skipped (skip_bad_samples)
+    truncated: int = 0    # prompts encoded now that were longer than the text encoder keeps
     complete: bool = False
     seconds: float = 0.0
 
@@ -46,6 +47,8 @@ class CacheSummary:
         text = f"preprocess ({scope}): {self.encoded} encoded, {self.reused} already cached"
         if self.skipped:
             text += f", {len(self.skipped)} bad rows skipped"
+        if self.truncated:
+            text += f", {self.truncated} prompts truncated"
         return text + f" in {self.seconds:.1f}s -> {self.url}"
 
 
@@ -60,6 +63,15 @@ def _unique_rows(plan: Plan) -> list[int]:
     for row, key in plan.keys.items():
         first_row.setdefault(key, row)
     return list(first_row.values())
+
+
+def _report_truncated(truncated: list[tuple[int, int]]) -> None:
+    """One warning line naming the rows whose prompts the text encoder cut (data rows from 1)."""
+    if truncated:
+        listed = ", ".join(str(row + 1) for row, _ in truncated[:10]) + (", ..." if len(truncated) > 10 else "")
+        log.warning("%d prompt(s) are longer than the text encoder keeps (%d tokens) and were truncated: "
+                    "data rows %s; shorten them or raise preprocess.max_sequence_length", len(truncated),
+                    truncated[0][1], listed)
 
 
 def run(cfg: RunConfig, part: int | None = None) -> CacheSummary:
@@ -83,7 +95,7 @@ def _run_part(cfg: RunConfig, part: int | None, writer: str, lock) -> CacheSumma
     empty_missing = part in (None, 0) and not store.has(empty_prompt_key(cfg, plan.fingerprint))  # once per cache
     if todo or empty_missing:
         empty_key = empty_prompt_key(cfg, plan.fingerprint) if empty_missing else None
-        summary.encoded, summary.skipped = _encode_rows(cfg, plan, store, todo, part, empty_key)
+        summary.encoded, summary.skipped, summary.truncated = _encode_rows(cfg, plan, store, todo, part, empty_key)
     if part is None:
         summary.complete = finalize(cfg, summary.skipped, plan=plan).complete
     summary.seconds = time.perf_counter() - started
@@ -92,14 +104,15 @@ def _run_part(cfg: RunConfig, part: int | None, writer: str, lock) -> CacheSumma
 
 
 def _encode_rows(cfg: RunConfig, plan: Plan, store, rows: list[int], part: int | None,
-                 empty_prompt_key: str | None = None) -> tuple[int, list[dict]]:
-    encoded, skipped = encode_rows(cfg, plan, store, rows, part, empty_prompt_key)  # stages/encoding.py
+                 empty_prompt_key: str | None = None) -> tuple[int, list[dict], int]:
+    encoded, skipped, truncated = encode_rows(cfg, plan, store, rows, part, empty_prompt_key)  # stages/encoding.py
+    _report_truncated(truncated)
     skipped_reasons = {row: (file, reason) for row, file, reason in plan.dataset.skipped}
     for item in skipped:
         item["file"], item["reason"] = skipped_reasons.get(item["row"], ("", ""))
         store.put_skipped(item["key"], item)  # on disk: finalize and training read it from the cache
     store.commit()
-    return encoded, skipped
+    return encoded, skipped, len(truncated)
 
 
 def finalize(cfg: RunConfig, skipped: list[dict] = (), plan: Plan | None = None) -> CacheSummary:

@@ -19,11 +19,12 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from diffsynth_core.models import FamilySpec, get_family
+from diffsynth_core.models import FamilySpec, check_model_folder, get_family
 from diffsynth_core.errors import InputError
 from diffsynth_core.training.checkpoint import CheckpointManager
 from diffsynth_core.training.device import avoid_broken_kernels
 from diffsynth_core.training.ema import swapped_weights
+from diffsynth_core.training.guards import require_finite
 from diffsynth_core.training.lora import lora_state_dict
 from diffsynth_core.training.loop import Trainer
 
@@ -90,6 +91,7 @@ def load_empty_prompt(cfg: RunConfig, store) -> dict[str, torch.Tensor] | None:
 
 
 def load_transformer(cfg: RunConfig, spec: FamilySpec) -> torch.nn.Module:
+    check_model_folder(spec, cfg.model.path)
     dtype = model_dtype(cfg)
     if cfg.model.transformer_file:
         config_dir = Path(cfg.model.path) / spec.transformer_component
@@ -99,9 +101,12 @@ def load_transformer(cfg: RunConfig, spec: FamilySpec) -> torch.nn.Module:
 
 def _export(spec: FamilySpec, result, output: Path) -> dict[str, str]:
     if result.lora_config is not None:
-        paths = spec.export_lora(lora_state_dict(result.model), result.lora_config, output)
+        weights = lora_state_dict(result.model)
+        require_finite(weights, f"LoRA export to {output}")  # a NaN LoRA is never written
+        paths = spec.export_lora(weights, result.lora_config, output)
         return {name: str(path) for name, path in paths.items()}
     weights = {k: v.detach().cpu().contiguous() for k, v in result.model.state_dict().items()}
+    require_finite(weights, f"export to {output}")
     path = output / f"{spec.transformer_component}.safetensors"
     save_file(weights, str(path))
     return {"full": str(path)}
@@ -132,7 +137,7 @@ def _train(cfg: RunConfig) -> TrainSummary:
     spec = get_family(cfg.model.family)
     store, keys = training_keys(cfg)  # checked against the model, derived from the config
     empty_prompt = load_empty_prompt(cfg, store)  # before any model loads: a missing entry fails fast
-    device = init_distributed(avoid_broken_kernels(resolve_device(cfg.train.device)))
+    device = init_distributed(avoid_broken_kernels(resolve_device(cfg.train.device, "train.device")))
     output = cfg.output_dir
     base = None
     if is_main_process():

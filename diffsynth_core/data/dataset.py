@@ -15,12 +15,12 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageColor
 from torch.utils.data import Dataset
 
 from .errors import DatasetError
-from .media import (MediaError, check_media_path, is_video, read_frames, read_image, read_image_size,
-                    usable_frame_count)
+from .media import (GIF_EXTENSIONS, WHITE, MediaError, check_media_path, frame_count_of_gif, is_video,
+                    read_frames, read_image, read_image_header, usable_frame_count)
 from .metadata import find_columns, load_metadata
 from .resize import TooSmallError, crop_and_resize, crop_and_resize_size
 from .settings import settings_errors
@@ -57,7 +57,9 @@ class SampleDataset(Dataset):
                  data_file_keys: Sequence[str] | str = ("image", "video"),
                  height: int | None = None, width: int | None = None,
                  max_pixels: int = 1024 * 1024, num_frames: int = 1, frame_multiple: int = 1,
-                 division: int = 16, repeat: int = 1, skip_bad_samples: bool = False):
+                 division: int = 16, repeat: int = 1, skip_bad_samples: bool = False,
+                 background: str | tuple[int, int, int] = WHITE, allow_external_paths: bool = False,
+                 stills_only: bool = False):
         self.metadata_path = Path(metadata_path).absolute()
         # Relative media paths are resolved against base_path, else the metadata's folder;
         # absolute so that files (and cache keys built from them) do not depend on the cwd.
@@ -70,6 +72,11 @@ class SampleDataset(Dataset):
         self.max_pixels, self.division = max_pixels, division
         self.num_frames, self.frame_multiple = num_frames, frame_multiple
         self.repeat, self.skip_bad_samples = repeat, skip_bad_samples
+        # Transparent pixels are composited on this colour; media must resolve inside base_path
+        # unless allowed; an image-only model family refuses animated files instead of training on
+        # a frame it was never told about.
+        self.background = parse_colour(background)
+        self.allow_external_paths, self.stills_only = allow_external_paths, stills_only
         errors = settings_errors(
             height=height, width=width, max_pixels=max_pixels, num_frames=num_frames,
             frame_multiple=frame_multiple, division=division, repeat=repeat,
@@ -100,28 +107,30 @@ class SampleDataset(Dataset):
                 "max_pixels": None if fixed else self.max_pixels,
                 "num_frames": self.num_frames, "frame_multiple": self.frame_multiple,
                 "division": self.division, "data_file_keys": list(self.data_file_keys),
-                "resample": "bilinear", "pixels_version": PIXELS_VERSION}
+                "resample": "bilinear", "background": list(self.background), "pixels_version": PIXELS_VERSION}
 
     def key_settings(self, index: int) -> dict[str, Any]:
         """`settings()` narrowed to what row `index` decodes to, for its cache key.
 
         For a still image the size rule is replaced by the target (height, width) read from
         the file's header, so changing `max_pixels` only re-keys the images whose size it
-        actually changes.  Videos, GIFs and unreadable headers keep the rule itself."""
+        actually changes.  Likewise the background colour keys only images with transparency.
+        Videos, GIFs and unreadable headers keep the rule itself."""
         settings = self.settings()
         try:
             _, path = self._resolve(index)
         except DatasetError:
             return settings  # the row is bad: load() reports it
-        size = None if is_video(path) else read_image_size(path)
-        if size is None:
+        header = None if is_video(path) else read_image_header(path)
+        if header is None:
             return settings
+        height, width, alpha = header
         try:
-            target = crop_and_resize_size(*size, height=self.height, width=self.width,
+            target = crop_and_resize_size(height, width, height=self.height, width=self.width,
                                           max_pixels=self.max_pixels, division=self.division)
         except TooSmallError:
             return settings
-        for rule in ("height", "width", "max_pixels"):
+        for rule in ("height", "width", "max_pixels") + (() if alpha else ("background",)):
             settings.pop(rule)
         return {**settings, "target_size": list(target)}
 
@@ -198,22 +207,56 @@ class SampleDataset(Dataset):
             check_media_path(path)
         except MediaError as e:
             raise self._error(index, f"column {key!r}: {e}", file=path) from e
+        self._check_inside_base(index, key, path)
+        if self.stills_only and is_video(path) and not self._is_still_gif(path):
+            raise self._error(index, f"column {key!r}: a video or animated GIF, but this model family trains "
+                                     f"on still images only; use an image (or dataset.skip_bad_samples = true "
+                                     f"to leave the row out)", file=path)
         return key, path
+
+    def _check_inside_base(self, index: int, key: str, path: Path) -> None:
+        """Media must resolve inside base_path (after ``..`` and symlinks) unless allowed."""
+        if self.allow_external_paths:
+            return
+        real, base = path.resolve(), self.base_path.resolve()
+        if not real.is_relative_to(base):
+            raise self._error(index, f"column {key!r}: resolves to {real}, outside the dataset folder {base} "
+                                     f"(dataset.base_path); move the file inside it or set "
+                                     f"dataset.allow_external_paths = true", file=path)
+
+    @staticmethod
+    def _is_still_gif(path: Path) -> bool:
+        return path.suffix.lower() in GIF_EXTENSIONS and frame_count_of_gif(path) == 1
 
     def _decode(self, index: int, key: str, path: Path) -> torch.Tensor:
         try:
             if is_video(path):
                 # The `image` column holds stills: a GIF there gives its first frame only.
-                frames = read_frames(path, 1 if key == "image" else self.num_frames)
+                wanted = 1 if key == "image" else self.num_frames
+                frames = read_frames(path, wanted, self.background)
+                if len(frames) < wanted:  # never a silent still image or a shorter clip
+                    raise MediaError(f"the video has {len(frames)} frames, fewer than dataset.num_frames = "
+                                     f"{wanted}; lower dataset.num_frames or set dataset.skip_bad_samples = true")
                 frames = frames[:usable_frame_count(len(frames), self.frame_multiple)]
             else:
-                frames = [read_image(path)]
+                frames = [read_image(path, self.background)]
             height, width = crop_and_resize_size(
                 frames[0].height, frames[0].width, height=self.height, width=self.width,
                 max_pixels=self.max_pixels, division=self.division)
         except (MediaError, TooSmallError) as e:
             raise self._error(index, f"column {key!r}: {e}", file=path) from e
         return _to_pixels([crop_and_resize(f, height, width) for f in frames])
+
+
+def parse_colour(colour: str | Sequence[int]) -> tuple[int, int, int]:
+    """(r, g, b) of a colour name, #rgb, #rrggbb (Pillow's ImageColor) or an (r, g, b) triple."""
+    if not isinstance(colour, str):
+        return tuple(int(c) for c in colour)[:3]
+    try:
+        return ImageColor.getrgb(colour)[:3]
+    except ValueError:
+        raise DatasetError(f"background {colour!r} is not a colour: use a name (white, black), #rgb or #rrggbb") \
+            from None
 
 
 def _to_pixels(frames: list[Image.Image]) -> torch.Tensor:

@@ -1,11 +1,15 @@
 """Decoding media files into RGB PIL frames: still images, GIFs and videos (via imageio).
 
-Every failure (missing, unreadable, corrupt, empty) comes out as `MediaError` with a short
-reason; the dataset adds the metadata file and row.
+Every failure (missing, not a regular file, unreadable, corrupt, empty) comes out as
+`MediaError` with a short reason; the dataset adds the metadata file and row.  Transparent
+pixels are composited on a background colour (white unless told), never left as whatever
+colour the file stores under them.
 """
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -15,33 +19,60 @@ IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", 
 GIF_EXTENSIONS = frozenset({".gif"})
 VIDEO_EXTENSIONS = frozenset({".mp4", ".avi", ".mov", ".mkv", ".webm", ".wmv", ".flv", ".m4v"})
 MEDIA_EXTENSIONS = IMAGE_EXTENSIONS | GIF_EXTENSIONS | VIDEO_EXTENSIONS
+WHITE = (255, 255, 255)
 
 
 class MediaError(ValueError):
     """A media file that cannot be used (missing, unsupported, unreadable or empty)."""
 
 
+# What a path is when it is not a regular file (stat's file types), for the error line.
+_SPECIAL_FILES = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                  (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"))
+
+
 def check_media_path(path: Path) -> None:
-    """Cheap checks done before decoding: the file exists and its type is known."""
+    """Cheap checks done before decoding: the type is known and the path is a regular file.
+
+    Never opens the path: a FIFO would block a reader forever and /dev/zero never ends."""
     if path.suffix.lower() not in MEDIA_EXTENSIONS:
         raise MediaError(f"unsupported file type {path.suffix!r}; supported: "
                          f"{', '.join(sorted(MEDIA_EXTENSIONS))}")
-    if not path.is_file():
-        raise MediaError("file not found")
+    link = f" (symlink to {os.readlink(path)})" if path.is_symlink() else ""
+    try:
+        mode = path.stat().st_mode  # follows symlinks
+    except FileNotFoundError:
+        raise MediaError(f"file not found{link}") from None
+    except OSError as e:  # a symlink loop, a path through a file, permissions
+        raise MediaError(f"cannot read{link}: {e.strerror or e}") from None
+    if stat.S_ISDIR(mode):
+        raise MediaError(f"is a folder{link}, not a media file")
+    for is_kind, kind in _SPECIAL_FILES:
+        if is_kind(mode):
+            raise MediaError(f"is {kind}{link}, not a regular file")
+
+
+def frame_count_of_gif(path: Path) -> int:
+    """Frames in a GIF, from its headers (0 when it cannot be read: decoding reports why)."""
+    try:
+        with Image.open(path) as gif:
+            return getattr(gif, "n_frames", 1)
+    except (OSError, ValueError, EOFError, SyntaxError):
+        return 0
 
 
 def is_video(path: Path) -> bool:
     return path.suffix.lower() in GIF_EXTENSIONS | VIDEO_EXTENSIONS
 
 
-def read_image(path: Path) -> Image.Image:
+def read_image(path: Path, background: tuple[int, int, int] = WHITE) -> Image.Image:
     """Decode a still image fully (a truncated file fails here, not later) as upright RGB."""
     try:
         with Image.open(path) as image:
             image.load()
             # Phone photos store their rotation in EXIF; apply it so the pixels are upright.
             image = ImageOps.exif_transpose(image)
-            return _to_rgb(image)
+            return to_rgb(image, background)
     except FileNotFoundError as e:
         raise MediaError("file not found") from e
     except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as e:
@@ -52,8 +83,8 @@ def read_image(path: Path) -> Image.Image:
 _TRANSPOSING_ORIENTATIONS = frozenset({5, 6, 7, 8})
 
 
-def read_image_size(path: Path) -> tuple[int, int] | None:
-    """(height, width) of a still image as `read_image` would return it, from its header only.
+def read_image_header(path: Path) -> tuple[int, int, bool] | None:
+    """(height, width, has alpha) of a still image as `read_image` would see it, from its header only.
 
     None when the header cannot be read; decoding then reports the error."""
     try:
@@ -61,37 +92,48 @@ def read_image_size(path: Path) -> tuple[int, int] | None:
             width, height = image.size
             if image.getexif().get(0x0112) in _TRANSPOSING_ORIENTATIONS:
                 width, height = height, width
-            return height, width
+            return height, width, has_alpha(image)
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
         return None
 
 
-def _to_rgb(image: Image.Image) -> Image.Image:
-    """RGB of any mode. 16-bit greyscale is scaled to 8 bits first: Pillow's own
-    convert("RGB") clips it at 255, which turns most of such an image white."""
+def has_alpha(image: Image.Image) -> bool:
+    """An alpha channel, or a palette/colour key marking some pixels transparent."""
+    return image.mode in ("RGBA", "RGBa", "LA", "La", "PA") or "transparency" in image.info
+
+
+def to_rgb(image: Image.Image, background: tuple[int, int, int] = WHITE) -> Image.Image:
+    """RGB of any mode, transparent pixels composited on ``background``.
+
+    Pillow's convert("RGB") drops alpha and keeps the colour stored under it (often black or
+    garbage).  16-bit greyscale is scaled to 8 bits first: convert("RGB") clips it at 255,
+    which turns most of such an image white."""
     if image.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N"):
         wide = np.clip(np.asarray(image).astype(np.int64), 0, 65535) >> 8
         image = Image.fromarray(wide.astype(np.uint8), "L")
+    if has_alpha(image):
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (*background, 255)), rgba).convert("RGB")
     return image.convert("RGB")
 
 
-def read_frames(path: Path, max_frames: int) -> list[Image.Image]:
+def read_frames(path: Path, max_frames: int, background: tuple[int, int, int] = WHITE) -> list[Image.Image]:
     """Decode at most the first `max_frames` frames of a GIF or video as RGB images."""
     if path.suffix.lower() in GIF_EXTENSIONS:
-        frames = _read_gif(path, max_frames)
+        frames = _read_gif(path, max_frames, background)
     else:
-        frames = _read_video(path, max_frames)
+        frames = _read_video(path, max_frames, background)
     if not frames:
         raise MediaError("video has no frames")
     return frames
 
 
-def _read_gif(path: Path, max_frames: int) -> list[Image.Image]:
+def _read_gif(path: Path, max_frames: int, background: tuple[int, int, int]) -> list[Image.Image]:
     frames = []
     try:
         with Image.open(path) as gif:
             for frame in ImageSequence.Iterator(gif):
-                frames.append(frame.convert("RGB"))  # convert() copies; the iterator reuses `frame`
+                frames.append(to_rgb(frame, background))  # converting copies; the iterator reuses `frame`
                 if len(frames) == max_frames:
                     break
     except FileNotFoundError as e:
@@ -101,7 +143,7 @@ def _read_gif(path: Path, max_frames: int) -> list[Image.Image]:
     return frames
 
 
-def _read_video(path: Path, max_frames: int) -> list[Image.Image]:
+def _read_video(path: Path, max_frames: int, background: tuple[int, int, int]) -> list[Image.Image]:
     import imageio.v3 as iio  # imported here so image-only users never load the video stack
 
     frames = []
@@ -109,7 +151,7 @@ def _read_video(path: Path, max_frames: int) -> list[Image.Image]:
         reader = iio.imiter(path)
         try:
             for array in reader:
-                frames.append(Image.fromarray(array).convert("RGB"))
+                frames.append(to_rgb(Image.fromarray(array), background))  # RGBA codecs exist
                 if len(frames) == max_frames:
                     break
         finally:

@@ -7,12 +7,11 @@ becomes None, like a JSON null.
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 from pathlib import Path
 from typing import Any
-
-import pandas as pd
 
 from .errors import DatasetError
 
@@ -43,14 +42,46 @@ def load_metadata(path: str | Path) -> list[dict[str, Any]]:
 
 
 def _read_csv(path: Path) -> list[dict[str, Any]]:
+    """RFC 4180 CSV (Python's csv module): a row with more cells than the header is an error.
+
+    An unquoted comma in a prompt splits it into two cells; pandas then silently shifts the
+    row (or, when every row has one extra cell, takes the first column as the index and cuts
+    the prompt), so the row is named instead.  Empty trailing cells (spreadsheets add them)
+    and missing trailing cells (optional columns) are fine.
+    """
     try:
         # utf-8-sig: spreadsheets often write a byte-order mark before the header.
-        frame = pd.read_csv(path, dtype=str, keep_default_na=False, encoding="utf-8-sig")
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
+        with path.open(newline="", encoding="utf-8-sig") as handle:
+            reader = csv.reader(handle)
+            header = _csv_header(next(reader, []), path)
+            records: list[dict[str, Any]] = []
+            for cells in reader:
+                if not any(cell.strip() for cell in cells):
+                    continue  # a blank line is not a row
+                if any(cell.strip() for cell in cells[len(header):]):
+                    raise DatasetError(
+                        f"line {reader.line_num} has {len(cells)} cells but the header has {len(header)} "
+                        f"columns ({', '.join(header)}): a cell holds an unquoted comma; put such cells in "
+                        f'double quotes, e.g. "a cat, sitting on a mat"', metadata=path, row=len(records))
+                cells = cells[:len(header)] + [""] * (len(header) - len(cells))
+                records.append({k: (None if v == "" else v) for k, v in zip(header, cells)})
+    except (csv.Error, UnicodeDecodeError) as e:
         raise DatasetError(f"cannot parse CSV: {e}", metadata=path) from e
-    frame.columns = [str(c).strip() for c in frame.columns]
-    return [{k: (None if v == "" else v) for k, v in row.items()}
-            for row in frame.to_dict(orient="records")]
+    return records
+
+
+def _csv_header(cells: list[str], path: Path) -> list[str]:
+    header = [cell.strip() for cell in cells]
+    while header and not header[-1]:
+        header.pop()  # trailing separators after the last column name
+    if not header:
+        raise DatasetError("metadata has no header row (e.g. image,prompt)", metadata=path)
+    repeated = sorted({name for name in header if header.count(name) > 1})
+    if repeated or "" in header:
+        what = f"column(s) {repeated} appear twice" if repeated else "a column has no name"
+        raise DatasetError(f"CSV header {','.join(header)}: {what}; give every column one unique name",
+                           metadata=path)
+    return header
 
 
 def _read_json(path: Path) -> list[dict[str, Any]]:

@@ -7,8 +7,11 @@ Each family module exposes ``SPEC``; modules are imported lazily so that importi
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
+from ..errors import InputError
 from .base import Components, FamilySpec
+from .loading import read_model_index_file
 
 # family name -> module under diffsynth_core.models
 _FAMILY_MODULES = {
@@ -22,12 +25,39 @@ def known_families() -> list[str]:
     return sorted(_FAMILY_MODULES)
 
 
+class UnknownFamilyError(InputError, KeyError):
+    """``model.family`` names no registered family (a KeyError too, for callers that caught that)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
 def get_family(name: str) -> FamilySpec:
     """Return the spec of family ``name``; unknown names list the known ones."""
     if name not in _FAMILY_MODULES:
-        raise KeyError(f"unknown model family {name!r}; known families: {', '.join(known_families())}")
+        raise UnknownFamilyError(f"model.family = {name!r} is not a known model family; "
+                                 f"use one of: {', '.join(known_families())}")
     module = importlib.import_module(f"{__name__}.{_FAMILY_MODULES[name]}")
     return module.SPEC
 
 
-__all__ = ["Components", "FamilySpec", "get_family", "known_families"]
+def check_model_folder(spec: FamilySpec, path: str | Path) -> None:
+    """Refuse a diffusers model folder made for another family, naming both (before any weight loads).
+
+    ``model_index.json``'s ``_class_name`` names the pipeline the folder is for; loading it as another
+    family otherwise fails deep inside diffusers (TypeError, AttributeError) or, worse, half-works.
+    Folders without a model_index.json (single released files) are not checked here.
+    """
+    index_file = Path(path) / "model_index.json"
+    if not index_file.is_file():
+        return
+    pipeline = read_model_index_file(Path(path)).get("_class_name")
+    if pipeline is None or pipeline == spec.pipeline_class_name:
+        return
+    matching = [name for name in known_families() if get_family(name).pipeline_class_name == pipeline]
+    hint = f"set model.family = {matching[0]!r}" if matching else "use a model folder of this family"
+    raise InputError(f"model.path {path} holds a {pipeline} model, but model.family = {spec.name!r} "
+                     f"expects a {spec.pipeline_class_name}: {hint}")
+
+
+__all__ = ["Components", "FamilySpec", "UnknownFamilyError", "check_model_folder", "get_family", "known_families"]

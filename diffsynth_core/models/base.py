@@ -80,6 +80,9 @@ class FamilySpec:
     prompt_lengths: Callable[..., list[int]] | None = None
     # prompt_encode_bytes(tokens) -> activation bytes one bf16 prompt padded to ``tokens`` adds to a batch
     prompt_encode_bytes: Callable[[int], int] | None = None
+    # count_prompt_tokens(components, prompt, *, max_sequence_length) -> (tokens the prompt needs,
+    # tokens encode_prompt keeps): longer prompts are truncated, and preprocessing reports them.
+    count_prompt_tokens: Callable[..., tuple[int, int]] | None = None
     # Extra, family-specific notes (e.g. default guidance); never read by engines.
     extras: Mapping[str, Any] = field(default_factory=dict)
     # --- without weights: benchmarks and tests -------------------------------------------------

@@ -21,7 +21,7 @@ import torch
 
 from . import encoders, flux_released, lora_export, single_file, tiny_tokenizers
 from .base import Components, FamilySpec
-from .inputs import check_pixel_batch, check_pixels, prompt_length, t5_xxl_prompt_bytes
+from .inputs import check_pixel_batch, check_pixels, prompt_length, t5_xxl_prompt_bytes, token_count
 from .loading import load_component
 from .loading import load_components as _load_components
 from .loading import MODEL_INIT_LOCK, module_dtype, unwrap
@@ -157,6 +157,15 @@ def encode_pixel_batch(components: Components, pixels: torch.Tensor, device: str
     return [{"latents": one[:, None]} for one in latents]
 
 
+def count_prompt_tokens(components: Components, prompt: str, *,
+                        max_sequence_length: int | None = None) -> tuple[int, int]:
+    """(T5 tokens of ``prompt``, tokens ``encode_prompt`` keeps).  CLIP's 77-token cut is not counted:
+    CLIP gives only the pooled vector, and FLUX always cuts it there."""
+    tokenizer_2 = components["tokenizer_2"]
+    kept = prompt_length(tokenizer_2, max_sequence_length, DEFAULT_MAX_SEQUENCE_LENGTH)
+    return token_count(tokenizer_2, prompt), kept
+
+
 def encode_pixels(components: Components, pixels: torch.Tensor, device: str) -> dict[str, torch.Tensor]:
     """VAE posterior mode, ``(z - shift) * scale``: ``(16, 1, H/8, W/8)``."""
     check_pixels(pixels, multiple=VAE_SCALE * PATCH, image_only=True)
@@ -281,6 +290,7 @@ SPEC = FamilySpec(
     export_lora=export_lora,
     save_tiny_model=save_tiny_model,
     pipeline_class_name=PIPELINE_CLASS,
+    count_prompt_tokens=count_prompt_tokens,
     transformer_variants=tuple(TRANSFORMER_CONFIGS),
     build_transformer=build_transformer,
     dummy_inputs=dummy_inputs,

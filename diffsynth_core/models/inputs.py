@@ -39,3 +39,8 @@ def t5_xxl_prompt_bytes(tokens: int) -> int:
     (T5-XXL, umT5-XXL): eager attention keeps 64 heads of L x L scores in bf16 and fp32 (~10 bytes
     each), ~120 KB per token besides."""
     return 120_000 * tokens + 640 * tokens * tokens
+
+
+def token_count(tokenizer, text: str) -> int:
+    """Tokens ``text`` becomes with the special tokens the pipelines add, before any truncation."""
+    return len(tokenizer(text, truncation=False, verbose=False).input_ids)

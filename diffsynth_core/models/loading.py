@@ -12,11 +12,13 @@ from __future__ import annotations
 import importlib
 import json
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..errors import InputError, classify
 from .base import Components
 
 # Libraries a model_index.json may name; anything else is refused rather than imported.
@@ -30,12 +32,23 @@ _ALLOWED_LIBRARIES = ("diffusers", "transformers")
 MODEL_INIT_LOCK = threading.RLock()
 
 
-def read_model_index(path: Path) -> dict[str, tuple[str, str]]:
-    """``{component: (library, class name)}`` from ``path/model_index.json``."""
+def read_model_index_file(path: Path) -> dict[str, Any]:
+    """The raw ``path/model_index.json``; a missing or unreadable one names the folder (exit code 2)."""
     index_file = Path(path) / "model_index.json"
     if not index_file.is_file():
-        raise FileNotFoundError(f"{index_file} not found: {path} is not a model folder in the diffusers layout")
-    raw = json.loads(index_file.read_text())
+        raise InputError(f"{index_file} not found: model.path {path} is not a model folder in the diffusers layout")
+    try:
+        raw = json.loads(index_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise InputError(f"{index_file} is not valid JSON ({err}): the model folder is damaged; copy it again") from None
+    if not isinstance(raw, dict):
+        raise InputError(f"{index_file} must hold a JSON object: the model folder is damaged; copy it again")
+    return raw
+
+
+def read_model_index(path: Path) -> dict[str, tuple[str, str]]:
+    """``{component: (library, class name)}`` from ``path/model_index.json``."""
+    raw = read_model_index_file(path)
     return {
         name: (entry[0], entry[1])
         for name, entry in raw.items()
@@ -45,11 +58,12 @@ def read_model_index(path: Path) -> dict[str, tuple[str, str]]:
 
 def _component_class(name: str, library: str, class_name: str, folder: Path) -> type:
     if library not in _ALLOWED_LIBRARIES:
-        raise ValueError(f"{folder}/model_index.json: component {name!r} comes from {library!r}; "
+        raise InputError(f"{folder}/model_index.json: component {name!r} comes from {library!r}; "
                          f"only {', '.join(_ALLOWED_LIBRARIES)} are supported")
     module = importlib.import_module(library)
     if not hasattr(module, class_name):
-        raise ValueError(f"{folder}/model_index.json: component {name!r} names unknown class {library}.{class_name}")
+        raise InputError(f"{folder}/model_index.json: component {name!r} names unknown class {library}.{class_name} "
+                         f"(a newer {library} may know it)")
     return getattr(module, class_name)
 
 
@@ -63,12 +77,12 @@ def load_component(path: Path, name: str, dtype: torch.dtype, device: str | torc
     path = Path(path)
     index = read_model_index(path)
     if name not in index:
-        raise KeyError(f"component {name!r} is not in {path}/model_index.json; it has: {', '.join(sorted(index))}")
+        raise InputError(f"component {name!r} is not in {path}/model_index.json; it has: {', '.join(sorted(index))}")
     cls = _component_class(name, *index[name], folder=path)
     folder = path / name
     if not folder.is_dir():
-        raise FileNotFoundError(f"{folder} is missing (named in {path}/model_index.json)")
-    with MODEL_INIT_LOCK:
+        raise InputError(f"{folder} is missing (named in {path}/model_index.json): the model folder is incomplete")
+    with MODEL_INIT_LOCK, _named_load_errors(folder):
         if not _is_weighted(cls):
             return cls.from_pretrained(folder)
         model = cls.from_pretrained(folder, dtype=dtype, low_cpu_mem_usage=True)  # returns it in eval mode
@@ -79,11 +93,53 @@ def load_component(path: Path, name: str, dtype: torch.dtype, device: str | torc
 
 
 def check_materialised(model: torch.nn.Module, source: Path) -> None:
-    """Raise if any weight is still on the meta device (a missing weight, or a leaked init patch)."""
+    """Raise if any weight is still on the meta device (a weight missing from the files)."""
     meta = [name for name, p in model.named_parameters() if p.device.type == "meta"]
     if meta:
-        raise RuntimeError(f"{source}: {len(meta)} weight(s) were not loaded and are still on the meta device "
-                           f"(e.g. {meta[:3]})")
+        raise InputError(f"{source}: {len(meta)} weight(s) are missing from the weight files (e.g. {meta[:3]}): "
+                         f"the download is incomplete or the files belong to another model; copy them again")
+
+
+@contextmanager
+def _named_load_errors(folder: Path):
+    """A library's failure to read a component's files becomes one line naming the folder and file.
+
+    diffusers/transformers/safetensors raise OSError, ValueError, RuntimeError or SafetensorError
+    (whose message names no file) for truncated, missing or foreign weight files.  A full disk or a
+    permission problem stays an environment failure (``classify``).
+    """
+    try:
+        yield
+    except InputError:
+        raise
+    except Exception as err:  # noqa: BLE001 -- only library load errors reach here; bugs are re-raised
+        if classify(err) is not None or not _is_load_error(err):
+            raise
+        raise InputError(f"{folder}: cannot load {_broken_weight_file(folder) or 'its weight files'} "
+                         f"({type(err).__name__}: {_first_line(err)}); the files are incomplete, corrupt or "
+                         f"of another model: copy or download them again") from err
+
+
+def _is_load_error(err: BaseException) -> bool:
+    return isinstance(err, (OSError, ValueError, RuntimeError, EOFError)) or type(err).__name__ == "SafetensorError"
+
+
+def _broken_weight_file(folder: Path) -> str | None:
+    """The first weight file whose safetensors header or size is wrong (a truncated copy), if any."""
+    from safetensors import safe_open
+
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except Exception:  # noqa: BLE001 -- any failure to open names this file
+            return file.name
+    return None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else type(err).__name__
 
 
 def load_components(path: Path, names: tuple[str, ...], dtype: torch.dtype, device: str | torch.device,

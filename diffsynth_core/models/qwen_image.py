@@ -19,7 +19,7 @@ import torch
 
 from . import encoders, lora_export, qwen_image_released, single_file, tiny_tokenizers
 from .base import Components, FamilySpec
-from .inputs import check_pixel_batch, check_pixels
+from .inputs import check_pixel_batch, check_pixels, token_count
 from .latents import per_channel_normalised_modes
 from .loading import load_component
 from .loading import load_components as _load_components
@@ -159,6 +159,15 @@ def encode_pixel_batch(components: Components, pixels: torch.Tensor, device: str
     return [{"latents": z} for z in per_channel_normalised_modes(components["vae"], pixels, device)]
 
 
+def count_prompt_tokens(components: Components, prompt: str, *,
+                        max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH) -> tuple[int, int]:
+    """(tokens of ``prompt`` after the pipeline's template prefix, tokens ``encode_prompt`` keeps)."""
+    pipe = _pipeline_cls()(scheduler=None, vae=None, text_encoder=None, tokenizer=components["tokenizer"],
+                           transformer=None)
+    needed = token_count(pipe.tokenizer, pipe.prompt_template_encode.format(prompt))
+    return needed - pipe.prompt_template_encode_start_idx, min(max_sequence_length, pipe.tokenizer_max_length)
+
+
 def encode_pixels(components: Components, pixels: torch.Tensor, device: str) -> dict[str, torch.Tensor]:
     """VAE posterior mode, normalised per channel: ``(16, 1, H/8, W/8)``."""
     check_pixels(pixels, multiple=VAE_SCALE * PATCH, image_only=True)
@@ -282,6 +291,7 @@ SPEC = FamilySpec(
     export_lora=export_lora,
     save_tiny_model=save_tiny_model,
     pipeline_class_name=PIPELINE_CLASS,
+    count_prompt_tokens=count_prompt_tokens,
     transformer_variants=tuple(TRANSFORMER_CONFIGS),
     build_transformer=build_transformer,
     dummy_inputs=dummy_inputs,

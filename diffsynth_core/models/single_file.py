@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from ..errors import InputError, classify
 from .loading import MODEL_INIT_LOCK, check_materialised
 
 # Prefixes ComfyUI and original checkpoints put in front of the DiT's own key names.
@@ -41,7 +42,8 @@ def transformer_config_dir(config_dir: Path) -> Path:
     for candidate in (config_dir / "transformer", config_dir):
         if (candidate / "config.json").is_file():
             return candidate
-    raise FileNotFoundError(f"no transformer config.json in {config_dir} or {config_dir / 'transformer'}")
+    raise InputError(f"no transformer config.json in {config_dir} or {config_dir / 'transformer'}: model.path must "
+                     f"hold the transformer's config beside model.transformer_file")
 
 
 def _target_dtype(name: str, dtype: torch.dtype, keep_fp32: tuple[str, ...]) -> torch.dtype:
@@ -57,21 +59,20 @@ def load_transformer_file(model_cls: type, file: Path, config_dir: Path, dtype: 
     the stripped keys do not already match the model's state dict.
     """
     from accelerate import init_empty_weights
-    from safetensors.torch import load_file
 
     file = Path(file)
     if not file.is_file():
-        raise FileNotFoundError(f"transformer file {file} not found")
+        raise InputError(f"model.transformer_file {file} not found (or not a file)")
     config = model_cls.load_config(transformer_config_dir(config_dir))
     with MODEL_INIT_LOCK, init_empty_weights():  # parameters on meta; buffers (RoPE tables) computed for real
         model = model_cls.from_config(config)
     expected = set(model.state_dict())
-    state_dict = strip_prefixes(load_file(str(file)))
+    state_dict = strip_prefixes(_read_weights(file))
     if convert is not None and not set(state_dict) <= expected:
         try:
             state_dict = convert(state_dict)
         except (KeyError, IndexError, ValueError, RuntimeError) as exc:
-            raise ValueError(f"{file}: keys are neither this transformer's diffusers names nor the original "
+            raise InputError(f"{file}: keys are neither this transformer's diffusers names nor the original "
                              f"checkpoint names its converter knows ({type(exc).__name__}: {exc})") from exc
     _check_keys(file, expected, set(state_dict))
     keep_fp32 = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
@@ -81,10 +82,23 @@ def load_transformer_file(model_cls: type, file: Path, config_dir: Path, dtype: 
     return model.eval()
 
 
+def _read_weights(file: Path) -> StateDict:
+    """All tensors of ``file`` (mmapped); a truncated or foreign file names itself (SafetensorError does not)."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(file))
+    except Exception as err:  # noqa: BLE001 -- safetensors raises its own error type for bad files
+        if classify(err) is not None or type(err).__name__ != "SafetensorError":
+            raise
+        raise InputError(f"{file}: not a readable .safetensors file ({err}): it is incomplete or corrupt; "
+                         f"copy it again") from err
+
+
 def _check_keys(file: Path, expected: set[str], found: set[str]) -> None:
     missing, unexpected = sorted(expected - found), sorted(found - expected)
     if missing or unexpected:
-        raise ValueError(
+        raise InputError(
             f"{file}: weights do not match the transformer config: {len(missing)} missing "
             f"(e.g. {missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]})"
         )

@@ -20,7 +20,7 @@ import torch
 
 from . import encoders, lora_export, single_file, tiny_tokenizers, wan_released
 from .base import Components, FamilySpec
-from .inputs import check_pixel_batch, check_pixels, prompt_length, t5_xxl_prompt_bytes
+from .inputs import check_pixel_batch, check_pixels, prompt_length, t5_xxl_prompt_bytes, token_count
 from .latents import per_channel_normalised_modes
 from .loading import load_component
 from .loading import load_components as _load_components
@@ -194,6 +194,16 @@ def encode_pixel_batch(components: Components, pixels: torch.Tensor, device: str
     return [{"latents": z} for z in per_channel_normalised_modes(components["vae"], pixels, device)]
 
 
+def count_prompt_tokens(components: Components, prompt: str, *,
+                        max_sequence_length: int | None = None) -> tuple[int, int]:
+    """(T5 tokens of the cleaned ``prompt``, as WanPipeline tokenizes it, and tokens ``encode_prompt`` keeps)."""
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+    tokenizer = components["tokenizer"]
+    kept = prompt_length(tokenizer, max_sequence_length, DEFAULT_MAX_SEQUENCE_LENGTH)
+    return token_count(tokenizer, prompt_clean(prompt)), kept
+
+
 def encode_pixels(components: Components, pixels: torch.Tensor, device: str) -> dict[str, torch.Tensor]:
     """VAE posterior mode, normalised per channel: ``(16, (F-1)/4+1, H/8, W/8)``."""
     check_pixels(pixels, multiple=VAE_SCALE * PATCH, frame_multiple=FRAME_MULTIPLE)
@@ -301,6 +311,7 @@ SPEC = FamilySpec(
     export_lora=export_lora,
     save_tiny_model=save_tiny_model,
     pipeline_class_name=PIPELINE_CLASS,
+    count_prompt_tokens=count_prompt_tokens,
     transformer_variants=tuple(TRANSFORMER_CONFIGS),
     build_transformer=build_transformer,
     dummy_inputs=dummy_inputs,

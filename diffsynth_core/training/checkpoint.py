@@ -7,17 +7,25 @@ Layout under ``<output>/checkpoints``::
         optimizer.pt            optimizer and LR-scheduler state
         state.pt                step, epoch, sampler position, every RNG state
     latest                      text file naming the newest complete step directory
+    orphaned/step-00000020-20250101-120000/   step folders found newer than ``latest``
 
 A checkpoint is written into a temporary directory and renamed into place; ``latest`` is
 replaced (temp file + rename) only afterwards, so a kill at any moment leaves either the old
 or the new checkpoint, never a torn one.  Only the last ``keep`` checkpoints are kept.
+
+A step folder newer than ``latest`` (a crash between the rename and the pointer, or a folder a
+user put there) is never deleted or overwritten: the next save moves it aside to ``orphaned/``.
+A write that fails (full disk, read-only folder) removes its temporary folder and leaves
+``latest`` and every earlier checkpoint as they were.  Non-finite weights are never written.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -25,13 +33,35 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from ..errors import InputError
+
+from ..errors import EnvironmentFailure, InputError, classify
+from .guards import require_finite
 
 LATEST = "latest"
+ORPHANED = "orphaned"
+
+log = logging.getLogger(__name__)
 
 
 def _step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
+
+
+def _step_of(path: Path) -> int | None:
+    try:
+        return int(path.name.split("-")[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def _torch_save(obj: Any, path: Path) -> None:
+    """torch.save through a Python file, so a full disk raises OSError(ENOSPC) naming the file
+    (torch.save(obj, path) reports only "unexpected pos N vs M")."""
+    try:
+        with path.open("wb") as handle:
+            torch.save(obj, handle)
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, str(path)) from err
 
 
 def _fsync_dir(path: Path) -> None:
@@ -50,18 +80,27 @@ class CheckpointManager:
     # -- public verbs --------------------------------------------------------------------------
     def save(self, step: int, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any],
              state: dict[str, Any], metadata: dict[str, Any] | None = None) -> Path:
-        self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / _step_dir_name(step)
+        weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
+        require_finite(weights, f"checkpoint {final}")
+        self.root.mkdir(parents=True, exist_ok=True)
+        # Folders past `latest` (a crash between rename and pointer, or a user's) and any at this step.
+        self._set_aside_newer_than(min(self.latest_step(), step - 1))
         tmp = self.root / f".tmp-{_step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-        text_meta = {k: json.dumps(v) for k, v in (metadata or {}).items()}
-        save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()},
-                  str(tmp / "trainable.safetensors"), metadata=text_meta)
-        torch.save(optimizer_state, tmp / "optimizer.pt")
-        torch.save(state, tmp / "state.pt")
-        _fsync_dir(tmp)
-        if final.exists():  # a re-run of the same step after a crash past the rename
-            shutil.rmtree(final)
+        try:
+            tmp.mkdir()
+            text_meta = {k: json.dumps(v) for k, v in (metadata or {}).items()}
+            save_file(weights, str(tmp / "trainable.safetensors"), metadata=text_meta)
+            _torch_save(optimizer_state, tmp / "optimizer.pt")
+            _torch_save(state, tmp / "state.pt")
+            _fsync_dir(tmp)
+        except Exception as err:
+            shutil.rmtree(tmp, ignore_errors=True)  # the previous checkpoint and `latest` stay as they were
+            found = classify(err)
+            if isinstance(found, EnvironmentFailure):
+                raise EnvironmentFailure(f"writing checkpoint {final} failed, earlier checkpoints are intact: "
+                                         f"{found}", retryable=found.retryable) from err
+            raise
         tmp.rename(final)
         self._point_latest_to(final.name)
         self._prune()
@@ -106,6 +145,18 @@ class CheckpointManager:
         }
 
     # -- internals -----------------------------------------------------------------------------
+    def _set_aside_newer_than(self, step: int) -> None:
+        """Move step folders past ``latest`` to ``orphaned/`` (never delete what someone may want)."""
+        for path in sorted(self.root.glob("step-*")):
+            if not path.is_dir() or _step_of(path) is None or _step_of(path) <= step:
+                continue
+            target = self.root / ORPHANED / f"{path.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+            if target.exists():
+                target = target.with_name(f"{target.name}-{uuid.uuid4().hex[:6]}")
+            target.parent.mkdir(exist_ok=True)
+            path.rename(target)
+            log.warning("checkpoint %s is newer than %s (step %d): moved aside to %s", path.name, LATEST, step, target)
+
     def _point_latest_to(self, name: str) -> None:
         tmp = self.root / f".{LATEST}.{uuid.uuid4().hex[:8]}"
         tmp.write_text(name + "\n")

@@ -25,6 +25,7 @@ from .batching import collate, latent_shapes, with_empty_prompt
 from .checkpoint import CheckpointManager
 from .ema import EmaWeights
 from .flow_matching import flow_matching_loss, loss_weight, noisy_latents, sample_sigmas, velocity_target
+from .guards import GradientCoverage, NonFiniteGuard, exclude_from_optimizer, grad_norm
 from .metrics import MetricsLog
 from .prepare import Prepared, prepare_for_training
 from .sampler import Batch, BucketSampler, SamplerState, format_bucket
@@ -96,6 +97,8 @@ class Trainer:
             raise InputError("train.caption_dropout > 0 needs the empty prompt's embedding from the cache; "
                              "run preprocess again (it encodes only that)")
         self.empty_prompt = empty_prompt
+        self.nonfinite = NonFiniteGuard(getattr(train, "max_nonfinite_steps", 3), train.learning_rate)
+        self.no_gradient: list[str] | None = None  # trainable names that get no gradient; None: not known yet
 
     # -- public verbs --------------------------------------------------------------------------
     def fit(self) -> TrainResult:
@@ -109,7 +112,7 @@ class Trainer:
         bar = self._progress_bar(step, total)
         while step < total:
             started = time.perf_counter()
-            result = self.optimizer_step(prepared, sampler)
+            result = self.optimizer_step(prepared, sampler, step + 1)
             if ema is not None:
                 ema.update(prepared.trainable)
             step += 1
@@ -145,8 +148,10 @@ class Trainer:
         return max(1, -(-self.train.num_epochs * sampler.rounds_per_epoch // per_step))
 
     # -- one optimizer step --------------------------------------------------------------------
-    def optimizer_step(self, prepared: Prepared, sampler: BucketSampler) -> StepResult:
+    def optimizer_step(self, prepared: Prepared, sampler: BucketSampler, step: int = 0) -> StepResult:
+        """One optimizer step over ``gradient_accumulation_steps`` rounds; ``step`` (1-based) names it in messages."""
         accumulation = self.train.gradient_accumulation_steps
+        coverage = GradientCoverage(prepared.trainable) if self.no_gradient is None else None
         total_loss, batches = 0.0, []
         for _ in range(accumulation):
             round_ = sampler.next_round()
@@ -154,15 +159,17 @@ class Trainer:
             loss.backward()
             total_loss += loss.item()
             batches.extend(round_)
+        if coverage is not None:  # first step of this run: leave out what can never learn
+            self._exclude(prepared, coverage.finish(self.device))
         params = list(prepared.trainable.values())
         if prepared.offload is not None:
             prepared.offload.after_backward()  # also all-reduces across ranks
         elif self.world_size > 1:
             _all_reduce_mean(params)
-        if self.train.max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(params, self.train.max_grad_norm)
-        prepared.optimizer.step()
-        prepared.scheduler.step()
+        norm = grad_norm(params, self.train.max_grad_norm)
+        if self.nonfinite.allows_update(step, total_loss, norm, self.device):  # NaN/Inf: no update
+            prepared.optimizer.step()
+            prepared.scheduler.step()
         prepared.optimizer.zero_grad(set_to_none=True)
         return StepResult(total_loss, batches)
 
@@ -176,6 +183,11 @@ class Trainer:
         prediction = self.spec.dit_forward(model, noisy_latents(x0, noise, sigmas), sigmas, inputs)
         weights = loss_weight(sigmas, self.schedule.weighting, self.schedule.template)
         return flow_matching_loss(prediction, velocity_target(x0, noise), weights)
+
+    def _exclude(self, prepared: Prepared, names: list[str]) -> None:
+        """Trainable tensors that get no gradient stay out of the optimizer (recorded in checkpoints)."""
+        self.no_gradient = names
+        exclude_from_optimizer(prepared.optimizer, [prepared.trainable[name] for name in names])
 
     def _draw(self, index: int, serial: int) -> tuple[Mapping[str, Any], torch.Tensor, torch.Tensor]:
         """Sample ``index`` with its noise, sigma and caption dropout, all drawn from its serial alone:
@@ -208,12 +220,13 @@ class Trainer:
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
             "python_rng": random.getstate(),
+            "nonfinite_streak": self.nonfinite.streak,
         }
         optimizer_state = {"optimizer": prepared.optimizer.state_dict(), "scheduler": prepared.scheduler.state_dict()}
         if ema is not None:
             optimizer_state["ema"] = ema.state_dict()
         metadata = {**self.checkpoint_metadata, "lora_config": prepared.lora_config, "family": self.spec.name,
-                    "step": step}
+                    "step": step, "no_gradient": self.no_gradient or []}
         path = self.checkpoints.save(step, dict(prepared.trainable), optimizer_state, state, metadata)
         log.info("checkpoint written: %s", path)
 
@@ -229,6 +242,8 @@ class Trainer:
         with torch.no_grad():
             for name, param in prepared.trainable.items():
                 param.copy_(saved[name])
+        if "no_gradient" in checkpoint["metadata"]:  # older checkpoints: found again at the first step
+            self._exclude(prepared, checkpoint["metadata"]["no_gradient"])
         prepared.optimizer.load_state_dict(checkpoint["optimizer"]["optimizer"])
         prepared.scheduler.load_state_dict(checkpoint["optimizer"]["scheduler"])
         self._resume_ema(ema, prepared, checkpoint)
@@ -238,6 +253,7 @@ class Trainer:
         if state["cuda_rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])
         random.setstate(state["python_rng"])
+        self.nonfinite.streak = state.get("nonfinite_streak", 0)
         log.info("resumed from %s (step %d)", checkpoint["path"], state["step"])
         return state["step"]
 

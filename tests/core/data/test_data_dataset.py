@@ -116,8 +116,12 @@ def test_base_path_and_absolute_paths(tmp_path):
     write_image(tmp_path / "media" / "a.png", 16, 16)
     write_image(tmp_path / "abs.png", 16, 16)
     rows = [{"image": "a.png", "prompt": "p"}, {"image": str(tmp_path / "abs.png"), "prompt": "p"}]
-    ds = SampleDataset(write_metadata(tmp_path / "meta" / "m.jsonl", rows), tmp_path / "media")
+    metadata = write_metadata(tmp_path / "meta" / "m.jsonl", rows)
+    ds = SampleDataset(metadata, tmp_path / "media")
     assert ds.source_files(0) == [tmp_path / "media" / "a.png"]
+    with pytest.raises(DatasetError, match="outside the dataset folder .*allow_external_paths"):
+        ds.source_files(1)  # outside base_path: refused unless allowed
+    ds = SampleDataset(metadata, tmp_path / "media", allow_external_paths=True)
     assert ds.source_files(1) == [tmp_path / "abs.png"]
 
 
@@ -171,7 +175,7 @@ def test_sixteen_bit_greyscale_png_is_scaled_not_clipped(tmp_path):
         assert torch.equal(sample.pixels[channel, 0], expected)
 
 
-@pytest.mark.parametrize("mode, color, rgb", [("L", 128, (128,) * 3), ("RGBA", (0, 255, 0, 0), (0, 255, 0)),
+@pytest.mark.parametrize("mode, color, rgb", [("L", 128, (128,) * 3), ("RGBA", (0, 255, 0, 0), (255, 255, 255)),
                                               ("P", 0, (0, 0, 0)), ("CMYK", (0, 255, 0, 0), (255, 0, 255))])
 def test_other_modes_become_rgb(tmp_path, mode, color, rgb):
     name = "x.jpg" if mode == "CMYK" else "x.png"

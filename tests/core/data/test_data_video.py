@@ -41,12 +41,25 @@ def test_gif_gives_its_first_num_frames_in_order(tmp_path):
     assert _frame_colors(sample.pixels) == PALETTE[:5]
 
 
-@pytest.mark.parametrize("available, num_frames, expected", [(7, 9, 5), (7, 5, 5), (3, 9, 1), (9, 9, 9)])
-def test_gif_frame_multiple_takes_4k_plus_1(tmp_path, available, num_frames, expected):
+@pytest.mark.parametrize("available, num_frames, expected", [(7, 5, 5), (9, 9, 9), (12, 9, 9)])
+def test_gif_gives_num_frames_when_it_has_them(tmp_path, available, num_frames, expected):
     write_gif(tmp_path / "clip.gif", available)
     sample = _video_dataset(tmp_path, "clip.gif", num_frames=num_frames, frame_multiple=4).load(0)
     assert sample.num_frames == expected and sample.pixels.shape[1] == expected
     assert _frame_colors(sample.pixels) == PALETTE[:expected]
+
+
+@pytest.mark.parametrize("available, num_frames", [(7, 9), (3, 9), (1, 5)])
+def test_a_video_shorter_than_num_frames_is_an_error_naming_row_and_file(tmp_path, available, num_frames):
+    # It used to become a 4k+1-frame clip or silently a still image (3 of 9 frames -> 1).
+    write_gif(tmp_path / "clip.gif", available)
+    ds = _video_dataset(tmp_path, "clip.gif", num_frames=num_frames, frame_multiple=4)
+    with pytest.raises(DatasetError, match=rf"data row 1 \(index 0\), file .*clip.gif: column 'video': the "
+                                           rf"video has {available} frames, fewer than dataset.num_frames = "
+                                           rf"{num_frames}"):
+        ds.load(0)
+    skipping = _video_dataset(tmp_path, "clip.gif", num_frames=num_frames, frame_multiple=4, skip_bad_samples=True)
+    assert skipping.load(0) is None and skipping.skipped[0][:2] == (0, str(tmp_path / "clip.gif"))
 
 
 def test_video_frames_are_cropped_and_resized_like_images(tmp_path):
@@ -88,10 +101,11 @@ def test_mp4_gives_its_first_num_frames(tmp_path):
         assert max(abs(g - w) for g, w in zip(got, want)) < 24  # H.264 is lossy
 
 
-def test_mp4_shorter_than_num_frames_drops_to_4k_plus_1(tmp_path):
+def test_mp4_shorter_than_num_frames_is_an_error(tmp_path):
     write_mp4(tmp_path / "clip.mp4", 8)
-    sample = _video_dataset(tmp_path, "clip.mp4", num_frames=17, frame_multiple=4).load(0)
-    assert sample.num_frames == 5
+    with pytest.raises(DatasetError, match="clip.mp4: column 'video': the video has 8 frames, fewer than "
+                                           "dataset.num_frames = 17"):
+        _video_dataset(tmp_path, "clip.mp4", num_frames=17, frame_multiple=4).load(0)
 
 
 @pytest.mark.parametrize("name, payload", [("broken.mp4", b"\x00\x00\x00\x18ftypmp42 garbage"),

@@ -1,0 +1,144 @@
+"""NaN/Inf steps are skipped and a streak stops the run; nothing non-finite is ever written; trainable
+tensors that get no gradient are reported and left out of the optimizer, keeping resume and data
+parallelism exact."""
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+from torch import nn
+
+from diffsynth_core.errors import InputError
+from diffsynth_core.training.checkpoint import CheckpointManager
+from diffsynth_core.training.loop import Trainer
+from diffsynth_core.training.metrics import read_metrics
+from stages.config import OffloadSection, TrainSection
+
+from .toy import TOY_SPEC, ToyDiT, toy_samples
+
+
+class ToyWithDeadHead(ToyDiT):
+    """Like Qwen-Image's last block: a layer whose output nobody reads (it can never learn)."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(16, 16)
+
+    def forward(self, latents, sigmas, prompt_embeds):
+        tokens = self.inp(latents.flatten(2).transpose(1, 2))
+        self.head(tokens)  # computed, never used
+        return super().forward(latents, sigmas, prompt_embeds)
+
+
+def _trainer(tmp_path, model, samples, **options):
+    defaults = dict(lora_rank=4, max_steps=6, save_steps=2, learning_rate=1e-2, seed=5, gradient_checkpointing=False)
+    return Trainer(TOY_SPEC, model, samples, TrainSection(**{**defaults, **options}), OffloadSection(), tmp_path,
+                   progress=False)
+
+
+def _lora(model):
+    return {k: v.detach().clone() for k, v in model.named_parameters() if "lora_" in k}
+
+
+def _checkpointed_tensors(root):
+    return [t for path in sorted(root.glob("checkpoints/step-*/trainable.safetensors"))
+            for t in load_file(str(path)).values()]
+
+
+def test_a_nan_sample_skips_its_update_and_training_goes_on(tmp_path):
+    torch.manual_seed(0)
+    samples = toy_samples(6)
+    samples[2] = {**samples[2], "latents": torch.full_like(samples[2]["latents"], float("nan"))}
+    result = _trainer(tmp_path, ToyDiT(), samples, max_steps=6).fit()
+    losses = [row["loss"] for row in read_metrics(tmp_path / "metrics.csv")]
+    assert len(losses) == 6 and losses.count("nan") == 1  # one epoch: the bad sample came up once
+    assert all(torch.isfinite(t).all() for t in _lora(result.model).values())
+    assert all(torch.isfinite(t).all() for t in _checkpointed_tensors(tmp_path))
+
+
+def test_non_finite_steps_in_a_row_stop_the_run_naming_the_step(tmp_path):
+    torch.manual_seed(0)
+    samples = [{**s, "latents": torch.full_like(s["latents"], float("inf"))} for s in toy_samples(6)]
+    trainer = _trainer(tmp_path, ToyDiT(), samples, save_steps=1, max_nonfinite_steps=2)
+    with pytest.raises(InputError, match=r"training stopped at step 2: loss nan, 2 step\(s\) in a row with NaN/Inf "
+                                         r"\(train.max_nonfinite_steps = 2\).*Lower train.learning_rate \(now 0.01\)"):
+        trainer.fit()
+    assert [int(r["step"]) for r in read_metrics(tmp_path / "metrics.csv")] == [1]
+    assert all(torch.isfinite(t).all() for t in _checkpointed_tensors(tmp_path))
+
+
+def test_non_finite_weights_are_never_checkpointed(tmp_path):
+    manager = CheckpointManager(tmp_path / "checkpoints")
+    manager.save(1, {"w": torch.ones(2)}, {}, {"step": 1})
+    with pytest.raises(InputError, match=r"step-00000002: 1 of 2 tensors hold NaN or Inf \(e.g. \['bad'\]\); "
+                                         r"nothing was written"):
+        manager.save(2, {"w": torch.ones(2), "bad": torch.tensor([1.0, float("nan")])}, {}, {"step": 2})
+    assert sorted(p.name for p in manager.root.iterdir()) == ["latest", "step-00000001"]
+
+
+def test_folders_newer_than_latest_are_moved_aside_not_deleted(tmp_path):
+    manager = CheckpointManager(tmp_path / "checkpoints")
+    manager.save(2, {"w": torch.ones(2)}, {}, {"step": 2})
+    for step in (4, 6):  # a crash after the rename left step 4; a user copied a step 6 in
+        manager.save(step, {"w": torch.full((2,), float(step))}, {}, {"step": step})
+    (manager.root / "latest").write_text("step-00000002\n")
+    manager.save(4, {"w": torch.zeros(2)}, {}, {"step": 4})
+    orphans = sorted(p.name for p in (manager.root / "orphaned").iterdir())
+    assert [name[:13] for name in orphans] == ["step-00000004", "step-00000006"]
+    kept = [load_file(str(manager.root / "orphaned" / name / "trainable.safetensors"))["w"] for name in orphans]
+    assert kept[0].tolist() == [4.0, 4.0] and kept[1].tolist() == [6.0, 6.0]  # the old contents, untouched
+    assert manager.latest_step() == 4 and manager.load()["weights"]["w"].tolist() == [0.0, 0.0]
+
+
+def test_tensors_without_gradient_are_reported_left_out_and_resume_stays_exact(tmp_path, caplog):
+    torch.manual_seed(0)
+    base = ToyWithDeadHead()
+    targets = ["proj", "mod", "head"]
+    with caplog.at_level(logging.WARNING):
+        straight = _trainer(tmp_path / "straight", copy.deepcopy(base), toy_samples(),
+                            lora_target_modules=targets).fit()
+    warnings = [r.getMessage() for r in caplog.records if "get no gradient" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].endswith(": head")  # one line, naming the module
+    assert load_file(str(tmp_path / "straight/checkpoints/step-00000006/trainable.safetensors"))  # written
+    _trainer(tmp_path / "resumed", copy.deepcopy(base), toy_samples(), lora_target_modules=targets, max_steps=3).fit()
+    resumed = _trainer(tmp_path / "resumed", copy.deepcopy(base), toy_samples(), lora_target_modules=targets).fit()
+    expected, got = _lora(straight.model), _lora(resumed.model)
+    assert all(torch.equal(expected[name], got[name]) for name in expected)
+    assert not got["head.lora_B.default.weight"].any()  # LoRA B starts at zero and never moved
+    saved = CheckpointManager(tmp_path / "resumed" / "checkpoints").load()
+    assert saved["metadata"]["no_gradient"] == ["head.lora_A.default.weight", "head.lora_B.default.weight"]
+
+
+OPTIONS = dict(lora_rank=4, max_steps=2, learning_rate=1e-2, seed=1, gradient_checkpointing=False,
+               lora_target_modules=["proj", "head"])
+
+
+def _rank(rank, init_file, base, out_dir, results):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        trainer = Trainer(TOY_SPEC, base, toy_samples(4), TrainSection(**OPTIONS), OffloadSection(),
+                          out_dir / f"rank{rank}", progress=False)
+        results[rank] = _lora(trainer.fit().model)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_data_parallel_ranks_match_one_process_with_a_dead_layer(tmp_path):
+    # Ranks fill missing gradients with zeros to all-reduce them; weight decay on those zeros used to
+    # move the dead layer's weights on two ranks and not in one process.
+    torch.manual_seed(0)
+    base = ToyWithDeadHead()
+    single = Trainer(TOY_SPEC, copy.deepcopy(base), toy_samples(4),
+                     TrainSection(**OPTIONS, gradient_accumulation_steps=2), OffloadSection(), tmp_path / "one",
+                     progress=False).fit()
+    results = mp.Manager().dict()
+    mp.spawn(_rank, args=(tmp_path / "init", base, tmp_path, results), nprocs=2, join=True)
+    expected = _lora(single.model)
+    for name in expected:
+        assert torch.equal(results[0][name], results[1][name]), name
+        torch.testing.assert_close(results[0][name], expected[name], rtol=1e-5, atol=1e-6)
+    assert torch.equal(results[0]["head.lora_A.default.weight"], expected["head.lora_A.default.weight"])
