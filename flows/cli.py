@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from diffsynth_core.errors import EXIT_BUG, classify
+from diffsynth_core.errors import EXIT_BUG, EXIT_INPUT, classify
 from stages.compat import diffsynth
 from stages.config import RunConfig
 
@@ -126,7 +126,7 @@ def cmd_cache(args, extra) -> int:
 
     report = inspect_cache(args.path, verify=args.action == "verify")
     print(format_inspect(report))
-    return 0 if args.action == "inspect" or report.get("ok", False) else 1
+    return 0 if args.action == "inspect" or report.get("ok", False) else EXIT_INPUT  # a bad cache is input
 
 
 VERBS = {

@@ -32,3 +32,19 @@ def make_config(demo_assets, tmp_path):
         return demo_config(tmp_path, overrides=base + list(overrides))
 
     return build
+
+
+@pytest.fixture(scope="session")
+def preprocessed_demo(demo_assets, tmp_path_factory) -> Path:
+    """The demo dataset preprocessed once per run: ``config.toml`` over it and its ``cache.zarr``.
+
+    Shared: tests copy the cache before changing it and point ``output.path`` at their own folder."""
+    from stages import preprocess
+
+    work = tmp_path_factory.mktemp("preprocessed")
+    shutil.copytree(demo_assets / "dataset", work / "dataset")
+    cfg = demo_config(work, overrides=[f"model.path={demo_assets / 'model'}", "preprocess.parts=1",
+                                       "train.max_steps=4", "train.save_steps=2"])
+    preprocess.run(cfg)
+    cfg.save(work / "config.toml")
+    return work

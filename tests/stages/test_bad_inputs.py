@@ -1,0 +1,292 @@
+"""Bad inputs through the CLI (``preprocess --part K`` and ``train --in-process``, the verbs that run
+without Prefect): each gives one line naming the row, file, key or path, the documented exit code
+(2 input, 3 environment) and no traceback; a diverging run writes nothing non-finite; a full disk or
+a read-only folder (real tmpfs mounts in a private mount namespace) keeps what was written."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from flows.cli import main
+from stages import preprocess
+from stages.demo import demo_config, write_demo_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def cached(preprocessed_demo) -> Path:
+    return preprocessed_demo
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str]:
+    """Exit code and stderr of ``splitflow ARGV`` run in this process (stdout kept in ``capsys.out``)."""
+    capsys.readouterr()
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    capsys.out = captured.out
+    return code, captured.err
+
+
+def _assert_one_line(code: int, err: str, expected_code: int, *fragments: str) -> str:
+    assert "Traceback" not in err, err
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("splitflow ") and " error: " in line]
+    assert len(errors) == 1 and lines[-1] == errors[0], lines[-5:]
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    assert code == expected_code, (code, errors[0])
+    return errors[0]
+
+
+def _rows(folder: Path, text: str) -> Path:
+    (folder / "metadata.csv").write_text(text)
+    return folder
+
+
+@pytest.fixture
+def data(cached, tmp_path):
+    """A private dataset folder with one good image; returns (folder, --set args for preprocess)."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    shutil.copy(next((cached / "dataset").glob("*.png")), folder / "ok.png")
+    args = ["--set", f"dataset.base_path={folder}", "--set", f"dataset.metadata_path={folder / 'metadata.csv'}",
+            "--set", f"cache.url={tmp_path / 'cache.zarr'}", "--set", f"output.path={tmp_path / 'out'}"]
+    return folder, args
+
+
+def _gif(path: Path, frames: int) -> None:
+    images = [Image.new("RGB", (32, 32), (40 * i, 0, 0)) for i in range(frames)]
+    images[0].save(path, save_all=True, append_images=images[1:])
+
+
+# Each case: metadata text, files to make, extra --set overrides, fragments of the one line.
+DATA_CASES = {
+    "unquoted comma": ("image,prompt\nok.png,a cat, sitting on a mat\n", None, [],
+                       ["data row 1 (index 0)", "line 2 has 3 cells", "unquoted comma"]),
+    "symlink to /dev/zero": ("image,prompt\nz.png,x\n", lambda d: os.symlink("/dev/zero", d / "z.png"), [],
+                             ["z.png", "is a character device (symlink to /dev/zero)"]),
+    "folder named x.png": ("image,prompt\nx.png,x\n", lambda d: (d / "x.png").mkdir(), [],
+                           ["x.png", "is a folder, not a media file"]),
+    "FIFO": ("image,prompt\nf.png,x\n", lambda d: os.mkfifo(d / "f.png"), [], ["f.png", "named pipe (FIFO)"]),
+    "../ path": ("image,prompt\n../outside.png,x\n", lambda d: shutil.copy(d / "ok.png", d.parent / "outside.png"),
+                 [], ["outside.png", "outside the dataset folder", "dataset.allow_external_paths"]),
+    "GIF for an image family": ("video,prompt\nclip.gif,x\n", lambda d: _gif(d / "clip.gif", 5),
+                                ["dataset.num_frames=5"], ["clip.gif", "trains on still images only"]),
+    "unknown model.family": ("image,prompt\nok.png,x\n", None, ["model.family='sdxl'"], ["model.family = 'sdxl'"]),
+    "family not matching the model folder": ("image,prompt\nok.png,x\n", None, ["model.family='wan'"],
+                                             ["holds a QwenImagePipeline model", "model.family = 'qwen_image'"]),
+    "preprocess.device=tpu9": ("image,prompt\nok.png,x\n", None, ["preprocess.device='tpu9'"],
+                               ["preprocess.device: 'tpu9' is not a device"]),
+    "background not a colour": ("image,prompt\nok.png,x\n", None, ["dataset.background='transparent'"],
+                                ["dataset.background: 'transparent' is not a colour"]),
+}
+
+
+@pytest.mark.parametrize("case", list(DATA_CASES))
+def test_bad_data_and_model_settings_give_one_line_exit_2(cached, data, capsys, case):
+    text, make, overrides, fragments = DATA_CASES[case]
+    folder, args = data
+    _rows(folder, text)
+    if make is not None:
+        make(folder)
+    sets = [arg for value in overrides for arg in ("--set", value)]
+    code, err = _cli(capsys, "preprocess", cached / "config.toml", "--part", 0, *args, *sets)
+    _assert_one_line(code, err, 2, *fragments)
+
+
+def test_bad_rows_are_skipped_with_skip_bad_samples(cached, data, capsys, caplog):
+    folder, args = data
+    (folder / "x.png").mkdir()
+    os.symlink("/dev/zero", folder / "z.png")
+    _gif(folder / "clip.gif", 3)
+    _rows(folder, "image,video,prompt\nx.png,,a\nz.png,,b\n,clip.gif,c\nok.png,,d\n")
+    code, err = _cli(capsys, "preprocess", cached / "config.toml", "--part", 0, *args,
+                     "--set", "dataset.skip_bad_samples=true")
+    assert code == 0 and "Traceback" not in err and "1 encoded, 0 already cached, 3 bad rows skipped" in capsys.out
+    skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipping bad sample")]
+    assert [("x.png" in m, "z.png" in m, "clip.gif" in m) for m in skipped] == [
+        (True, False, False), (False, True, False), (False, False, True)]
+
+
+def test_a_short_video_is_an_error_naming_row_and_file(cached, data, capsys, tmp_path_factory):
+    wan = write_demo_model(tmp_path_factory.mktemp("wan") / "model", "wan")
+    folder, args = data
+    _gif(folder / "clip.gif", 3)
+    _rows(folder, "video,prompt\nclip.gif,x\n")
+    code, err = _cli(capsys, "preprocess", cached / "config.toml", "--part", 0, *args, "--set", "model.family='wan'",
+                     "--set", f"model.path={wan}", "--set", "dataset.num_frames=9")
+    _assert_one_line(code, err, 2, "data row 1 (index 0)", "clip.gif", "has 3 frames, fewer than dataset.num_frames = 9")
+
+
+def test_truncated_prompts_are_counted_and_reported(cached, data, capsys, caplog):
+    folder, args = data
+    _rows(folder, f"image,prompt\nok.png,short\nok.png,{'word ' * 2000}\n")
+    code, err = _cli(capsys, "preprocess", cached / "config.toml", "--part", 0, *args)
+    assert code == 0 and "2 encoded, 0 already cached, 1 prompts truncated" in capsys.out
+    assert any("1 prompt(s) are longer than the text encoder keeps (1024 tokens) and were truncated: data rows 2;"
+               in r.getMessage() for r in caplog.records)
+
+
+CONFIG_CASES = {
+    "train.learning_rate=inf": "train.learning_rate: Input should be a finite number",
+    "train.learning_rate=nan": "train.learning_rate: Input should be a finite number",
+    "train.lora_alpha=-4": "train.lora_alpha: Input should be greater than 0",
+    "train.lora_rank=-1": "train.lora_rank: Input should be greater than or equal to 0",
+    "train.max_steps=0": "train.max_steps: Input should be greater than or equal to 1",
+    "train.shift=inf": "train.shift: Input should be a finite number",
+    "train.seed=-1": "train.seed: Input should be greater than or equal to 0",
+    "train.device='tpu9'": "train.device: 'tpu9' is not a device",
+    "offload.vram_budget_gb=nan": "offload.vram_budget_gb: Input should be a finite number",
+}
+
+
+@pytest.mark.parametrize("override", list(CONFIG_CASES))
+def test_out_of_range_config_values_name_the_dotted_key(cached, capsys, override):
+    code, err = _cli(capsys, "train", cached / "config.toml", "--in-process", "--set", override)
+    _assert_one_line(code, err, 2, CONFIG_CASES[override])
+
+
+def _demo_model(cached: Path) -> Path:
+    from stages.config import load_config
+
+    return Path(load_config(cached / "config.toml").model.path)
+
+
+@pytest.mark.parametrize("verb, weights, damage, fragments", [
+    ("train", "transformer/diffusion_pytorch_model.safetensors", "half",
+     ["transformer: cannot load diffusion_pytorch_model.safetensors", "incomplete, corrupt"]),
+    ("train", "transformer/diffusion_pytorch_model.safetensors", "missing",
+     ["transformer: cannot load its weight files", "no file named"]),
+    ("preprocess", "text_encoder/model.safetensors", "garbage",  # SafetensorError alone names no file
+     ["text_encoder: cannot load model.safetensors (SafetensorError: Error while deserializing header"]),
+])
+def test_damaged_weights_name_the_folder_and_file(cached, data, capsys, tmp_path, verb, weights, damage, fragments):
+    model = tmp_path / "model"
+    shutil.copytree(_demo_model(cached), model)
+    weights = model / weights
+    if damage == "half":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif damage == "missing":
+        weights.unlink()
+    else:
+        weights.write_bytes(b"\xff" * 64)
+    folder, args = data
+    _rows(folder, "image,prompt\nok.png,x\n")
+    extra = ["--in-process"] if verb == "train" else ["--part", 0, *args]
+    code, err = _cli(capsys, verb, cached / "config.toml", *extra, "--set", f"model.path={model}",
+                     "--set", f"output.path={tmp_path / 'out'}")
+    _assert_one_line(code, err, 2, *fragments)
+
+
+@pytest.mark.parametrize("damage, fragments", [
+    ("no cache", ["no splitflow cache here", "run preprocess"]),
+    ("dataset keys", ["dataset-keys.json is unreadable"]),
+    ("entry", ["is unreadable"]),
+    ("partial", ["missing"]),
+])
+def test_cache_errors_at_train_time_are_one_line(cached, capsys, tmp_path, damage, fragments):
+    cache = tmp_path / "cache.zarr"
+    if damage == "partial":  # only the first of two parts was encoded
+        sets = [f"dataset.base_path={cached / 'dataset'}", f"dataset.metadata_path={cached / 'dataset/metadata.csv'}",
+                f"model.path={_demo_model(cached)}", f"cache.url={cache}", "preprocess.parts=2", "preprocess.device=cpu"]
+        two_parts = demo_config(tmp_path, overrides=sets)
+        preprocess.run(two_parts, 0)
+        preprocess.finalize(two_parts)
+    elif damage != "no cache":
+        shutil.copytree(cached / "cache.zarr", cache)
+    if damage == "dataset keys":
+        (cache / "dataset-keys.json").write_text("{not json")
+    if damage == "entry":
+        chunks = [p for p in (cache / "parts").rglob("*") if p.is_file() and p.suffix != ".json" and "zarr" not in p.name]
+        for chunk in chunks:
+            chunk.write_bytes(b"\x00" * chunk.stat().st_size)
+    code, err = _cli(capsys, "train", cached / "config.toml", "--in-process", "--set", f"cache.url={cache}",
+                     "--set", f"output.path={tmp_path / 'out'}", "--set", "preprocess.parts=2")
+    _assert_one_line(code, err, 2, *fragments)
+
+
+def test_cache_verify_reports_a_corrupt_dataset_keys_file(cached, capsys, tmp_path):
+    cache = tmp_path / "cache.zarr"
+    shutil.copytree(cached / "cache.zarr", cache)
+    (cache / "dataset-keys.json").write_text("{not json")
+    code, err = _cli(capsys, "cache", "verify", cache)
+    assert code == 2 and "Traceback" not in err
+    assert "dataset      UNREADABLE" in capsys.out and "16 entries read" in capsys.out
+    code, _ = _cli(capsys, "cache", "inspect", cache)
+    assert code == 0 and "UNREADABLE" in capsys.out
+
+
+def test_a_diverging_run_stops_and_writes_nothing_non_finite(cached, capsys, tmp_path):
+    out = tmp_path / "out"
+    code, err = _cli(capsys, "train", cached / "config.toml", "--in-process", "--set", f"output.path={out}",
+                     "--set", "train.learning_rate=1e30", "--set", "train.max_grad_norm=1e30",
+                     "--set", "train.max_steps=8", "--set", "train.save_steps=1")
+    _assert_one_line(code, err, 2, "training stopped at step", "train.learning_rate (now 1e+30)")
+    assert not (out / "lora.safetensors").exists()
+    for path in out.glob("checkpoints/step-*/trainable.safetensors"):
+        assert all(torch.isfinite(t).all() for t in load_file(str(path)).values()), path
+
+
+# Runs inside a private mount namespace (unshare -m), so the tmpfs mounts vanish with the process even
+# if the test is killed.  argv: config, cache, read-only folder, small folder.  Prints one JSON object.
+NAMESPACE_DRIVER = r"""
+import json, os, subprocess, sys, io, contextlib
+from pathlib import Path
+from flows.cli import main
+
+config, cache, ro, small = sys.argv[1:5]
+def cli(*argv):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main([str(a) for a in argv])
+    return {"code": code, "err": err.getvalue()}
+
+subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", ro], check=True)
+results = {"ro_train": cli("train", config, "--in-process", "--set", f"output.path={ro}/out")}
+results["ro_cache"] = cli("preprocess", config, "--part", 0, "--set", f"cache.url={ro}/cache.zarr")
+subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", small], check=True)
+out = Path(small) / "out"
+results["first"] = cli("train", config, "--in-process", "--set", f"output.path={out}", "--set", "train.max_steps=2")
+step = out / "checkpoints" / "step-00000002"
+size = sum(f.stat().st_size for f in step.iterdir())
+lora = (out / "lora.safetensors").read_bytes()
+free = os.statvfs(small).f_bavail * os.statvfs(small).f_frsize
+(Path(small) / "filler").write_bytes(b"x" * (free - min(size // 2, 32 * 1024)))  # too little for a checkpoint
+results["full"] = cli("train", config, "--in-process", "--set", f"output.path={out}", "--set", "train.max_steps=4")
+results["after"] = {"latest": (out / "checkpoints" / "latest").read_text().strip(),
+                    "left": sorted(p.name for p in (out / "checkpoints").iterdir()),
+                    "lora_intact": (out / "lora.safetensors").read_bytes() == lora}
+(Path(small) / "filler").unlink()
+results["resumed"] = cli("train", config, "--in-process", "--set", f"output.path={out}", "--set", "train.max_steps=4")
+print(json.dumps(results))
+"""
+
+
+def test_a_full_disk_and_read_only_folders_are_one_line_exit_3_and_lose_nothing(cached, tmp_path):
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
+        pytest.skip("needs unshare -m (mount namespaces) to mount a full or read-only tmpfs")
+    for name in ("ro", "small"):
+        (tmp_path / name).mkdir()
+    run = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c", NAMESPACE_DRIVER,
+                          str(cached / "config.toml"), str(cached / "cache.zarr"), str(tmp_path / "ro"),
+                          str(tmp_path / "small")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    _assert_one_line(results["ro_train"]["code"], results["ro_train"]["err"], 3, "read-only", str(tmp_path / "ro"))
+    _assert_one_line(results["ro_cache"]["code"], results["ro_cache"]["err"], 3, "read-only", str(tmp_path / "ro"))
+    assert results["first"]["code"] == 0
+    _assert_one_line(results["full"]["code"], results["full"]["err"], 3,
+                     "writing checkpoint", "step-00000004 failed, earlier checkpoints are intact", "disk is full")
+    assert results["after"] == {"latest": "step-00000002", "left": ["latest", "step-00000002"], "lora_intact": True}
+    assert results["resumed"]["code"] == 0  # space freed: training resumes from step 2 and finishes
