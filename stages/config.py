@@ -111,7 +111,7 @@ class PreprocessSection(_Section):
     parts: int = Field(1, ge=1)
     retries: int = Field(2, ge=0)
     device: str = "auto"
-    max_sequence_length: int | None = None
+    max_sequence_length: int | None = Field(None, ge=1)
     commit_every: int = Field(16, ge=1)
     # Stream encoder weights from host memory: "auto" on a GPU only; true/false force it.
     offload_encoders: Literal["auto", True, False] = "auto"

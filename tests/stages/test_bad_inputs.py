@@ -239,13 +239,13 @@ def test_a_diverging_run_stops_and_writes_nothing_non_finite(cached, capsys, tmp
 
 
 # Runs inside a private mount namespace (unshare -m), so the tmpfs mounts vanish with the process even
-# if the test is killed.  argv: config, cache, read-only folder, small folder.  Prints one JSON object.
+# if the test is killed.  argv: config, cache, read-only folder, two small folders.  Prints one JSON object.
 NAMESPACE_DRIVER = r"""
 import json, os, subprocess, sys, io, contextlib
 from pathlib import Path
 from flows.cli import main
 
-config, cache, ro, small = sys.argv[1:5]
+config, cache, ro, small, tiny = sys.argv[1:6]
 def cli(*argv):
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -269,6 +269,12 @@ results["after"] = {"latest": (out / "checkpoints" / "latest").read_text().strip
                     "lora_intact": (out / "lora.safetensors").read_bytes() == lora}
 (Path(small) / "filler").unlink()
 results["resumed"] = cli("train", config, "--in-process", "--set", f"output.path={out}", "--set", "train.max_steps=4")
+subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", tiny], check=True)  # a third of the cache fits
+results["cache_full"] = cli("preprocess", config, "--part", 0, "--set", f"cache.url={tiny}/cache.zarr",
+                            "--set", "preprocess.commit_every=2")
+from cache_store import open_cache
+kept = open_cache(f"{tiny}/cache.zarr")
+results["cache_kept"] = {"entries": len(kept.keys()), "verified": kept.verify().ok}
 print(json.dumps(results))
 """
 
@@ -276,11 +282,11 @@ print(json.dumps(results))
 def test_a_full_disk_and_read_only_folders_are_one_line_exit_3_and_lose_nothing(cached, tmp_path):
     if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
         pytest.skip("needs unshare -m (mount namespaces) to mount a full or read-only tmpfs")
-    for name in ("ro", "small"):
+    for name in ("ro", "small", "tiny"):
         (tmp_path / name).mkdir()
     run = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c", NAMESPACE_DRIVER,
                           str(cached / "config.toml"), str(cached / "cache.zarr"), str(tmp_path / "ro"),
-                          str(tmp_path / "small")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                          str(tmp_path / "small"), str(tmp_path / "tiny")], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
     _assert_one_line(results["ro_train"]["code"], results["ro_train"]["err"], 3, "read-only", str(tmp_path / "ro"))
@@ -290,3 +296,5 @@ def test_a_full_disk_and_read_only_folders_are_one_line_exit_3_and_lose_nothing(
                      "writing checkpoint", "step-00000004 failed, earlier checkpoints are intact", "disk is full")
     assert results["after"] == {"latest": "step-00000002", "left": ["latest", "step-00000002"], "lora_intact": True}
     assert results["resumed"]["code"] == 0  # space freed: training resumes from step 2 and finishes
+    _assert_one_line(results["cache_full"]["code"], results["cache_full"]["err"], 3, "disk is full")
+    assert results["cache_kept"]["entries"] >= 2 and results["cache_kept"]["verified"]  # committed entries stay
