@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from flows.cli import main
 from stages import preprocess
+from stages.config import load_config
 from stages.demo import demo_config, write_demo_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def cached(preprocessed_demo) -> Path:
+    """The shared preprocessed demo (config.toml, cache.zarr); tests copy what they damage."""
     return preprocessed_demo
 
 
@@ -158,8 +160,6 @@ def test_out_of_range_config_values_name_the_dotted_key(cached, capsys, override
 
 
 def _demo_model(cached: Path) -> Path:
-    from stages.config import load_config
-
     return Path(load_config(cached / "config.toml").model.path)
 
 
@@ -212,7 +212,7 @@ def test_cache_errors_at_train_time_are_one_line(cached, capsys, tmp_path, damag
         for chunk in chunks:
             chunk.write_bytes(b"\x00" * chunk.stat().st_size)
     code, err = _cli(capsys, "train", cached / "config.toml", "--in-process", "--set", f"cache.url={cache}",
-                     "--set", f"output.path={tmp_path / 'out'}", "--set", "preprocess.parts=2")
+                     "--set", f"output.path={tmp_path / 'out'}")
     _assert_one_line(code, err, 2, *fragments)
 
 

@@ -7,8 +7,6 @@ import logging
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 from torch import nn
 
@@ -18,7 +16,7 @@ from diffsynth_core.training.loop import Trainer
 from diffsynth_core.training.metrics import read_metrics
 from stages.config import OffloadSection, TrainSection
 
-from .toy import TOY_SPEC, ToyDiT, toy_samples
+from .toy import TOY_SPEC, ToyDiT, lora_of, toy_samples, train_on_gloo_ranks
 
 
 class ToyWithDeadHead(ToyDiT):
@@ -40,10 +38,6 @@ def _trainer(tmp_path, model, samples, **options):
                    progress=False)
 
 
-def _lora(model):
-    return {k: v.detach().clone() for k, v in model.named_parameters() if "lora_" in k}
-
-
 def _checkpointed_tensors(root):
     return [t for path in sorted(root.glob("checkpoints/step-*/trainable.safetensors"))
             for t in load_file(str(path)).values()]
@@ -56,7 +50,7 @@ def test_a_nan_sample_skips_its_update_and_training_goes_on(tmp_path):
     result = _trainer(tmp_path, ToyDiT(), samples, max_steps=6).fit()
     losses = [row["loss"] for row in read_metrics(tmp_path / "metrics.csv")]
     assert len(losses) == 6 and losses.count("nan") == 1  # one epoch: the bad sample came up once
-    assert all(torch.isfinite(t).all() for t in _lora(result.model).values())
+    assert all(torch.isfinite(t).all() for t in lora_of(result.model).values())
     assert all(torch.isfinite(t).all() for t in _checkpointed_tensors(tmp_path))
 
 
@@ -106,7 +100,7 @@ def test_tensors_without_gradient_are_reported_left_out_and_resume_stays_exact(t
     assert load_file(str(tmp_path / "straight/checkpoints/step-00000006/trainable.safetensors"))  # written
     _trainer(tmp_path / "resumed", copy.deepcopy(base), toy_samples(), lora_target_modules=targets, max_steps=3).fit()
     resumed = _trainer(tmp_path / "resumed", copy.deepcopy(base), toy_samples(), lora_target_modules=targets).fit()
-    expected, got = _lora(straight.model), _lora(resumed.model)
+    expected, got = lora_of(straight.model), lora_of(resumed.model)
     assert all(torch.equal(expected[name], got[name]) for name in expected)
     assert not got["head.lora_B.default.weight"].any()  # LoRA B starts at zero and never moved
     saved = CheckpointManager(tmp_path / "resumed" / "checkpoints").load()
@@ -117,27 +111,14 @@ OPTIONS = dict(lora_rank=4, max_steps=2, learning_rate=1e-2, seed=1, gradient_ch
                lora_target_modules=["proj", "head"])
 
 
-def _rank(rank, init_file, base, out_dir, results):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        trainer = Trainer(TOY_SPEC, base, toy_samples(4), TrainSection(**OPTIONS), OffloadSection(),
-                          out_dir / f"rank{rank}", progress=False)
-        results[rank] = _lora(trainer.fit().model)
-    finally:
-        dist.destroy_process_group()
-
-
 def test_data_parallel_ranks_match_one_process_with_a_dead_layer(tmp_path):
     # Ranks fill missing gradients with zeros to all-reduce them; weight decay on those zeros used to
     # move the dead layer's weights on two ranks and not in one process.
     torch.manual_seed(0)
     base = ToyWithDeadHead()
-    single = Trainer(TOY_SPEC, copy.deepcopy(base), toy_samples(4),
-                     TrainSection(**OPTIONS, gradient_accumulation_steps=2), OffloadSection(), tmp_path / "one",
-                     progress=False).fit()
-    results = mp.Manager().dict()
-    mp.spawn(_rank, args=(tmp_path / "init", base, tmp_path, results), nprocs=2, join=True)
-    expected = _lora(single.model)
+    single = _trainer(tmp_path / "one", copy.deepcopy(base), toy_samples(4), **OPTIONS, gradient_accumulation_steps=2)
+    expected = lora_of(single.fit().model)
+    results = train_on_gloo_ranks(base, toy_samples(4), OPTIONS, tmp_path)
     for name in expected:
         assert torch.equal(results[0][name], results[1][name]), name
         torch.testing.assert_close(results[0][name], expected[name], rtol=1e-5, atol=1e-6)

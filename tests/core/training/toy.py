@@ -96,3 +96,19 @@ def mixed_toy_samples(n: int = 10, seed: int = 0) -> list[dict]:
                         "prompt_embeds": torch.randn(length, 4, generator=generator),
                         "prompt_mask": torch.ones(length, dtype=torch.long), "meta": {"row": i}})
     return samples
+
+
+def lora_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_parameters() if "lora_" in k}
+
+
+class ToyWithDeadHead(ToyDiT):
+    """Like Qwen-Image's last block: a layer whose output nobody reads (it can never learn)."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(16, 16)
+
+    def forward(self, latents, sigmas, prompt_embeds, prompt_mask=None):
+        self.head(self.inp(latents.flatten(2).transpose(1, 2)))  # computed, never used
+        return super().forward(latents, sigmas, prompt_embeds, prompt_mask)
