@@ -85,10 +85,8 @@ def classify(exc: BaseException) -> SplitflowError | None:
     anything else (a bug, exit code 1).  Walks ``__cause__``/``__context__`` so a wrapped disk-full
     error (safetensors, zarr) is still recognised.
     """
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
+    chain = _chain(exc)
+    for current in chain:
         if isinstance(current, SplitflowError):
             return current
         if isinstance(current, ConnectionError) or type(current).__name__ in ("ConnectError", "ConnectTimeout"):
@@ -99,11 +97,20 @@ def classify(exc: BaseException) -> SplitflowError | None:
             where = f"{filename}: " if filename else ""
             advice = _ERRNO_ADVICE.get(code, getattr(current, "strerror", None) or str(current))
             return EnvironmentFailure(f"{where}{advice}", retryable=code not in _NOT_RETRYABLE_ERRNO)
-        if _SHORT_WRITE.search(str(current)):
-            return EnvironmentFailure("a file write stopped short (torch: unexpected pos): the disk is most likely "
-                                      "full; free space (or point output.path elsewhere) and re-run", retryable=False)
-        current = current.__cause__ or current.__context__
+    if any(_SHORT_WRITE.search(str(current)) for current in chain):  # no errno anywhere in the chain
+        return EnvironmentFailure("a file write stopped short (torch: unexpected pos): the disk is most likely "
+                                  "full; free space (or point output.path elsewhere) and re-run", retryable=False)
     return None
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the exceptions it wraps (``__cause__``, else ``__context__``), outermost first."""
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and all(current is not seen for seen in chain):
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
 
 
 # Rust libraries (safetensors) report an OS error only inside their message: "... (os error 28)".

@@ -186,8 +186,8 @@ class Trainer:
 
     def _exclude(self, prepared: Prepared, names: list[str]) -> None:
         """Trainable tensors that get no gradient stay out of the optimizer (recorded in checkpoints)."""
-        self.no_gradient = names
-        exclude_from_optimizer(prepared.optimizer, [prepared.trainable[name] for name in names])
+        self.no_gradient = [name for name in names if name in prepared.trainable]
+        exclude_from_optimizer(prepared.optimizer, [prepared.trainable[name] for name in self.no_gradient])
 
     def _draw(self, index: int, serial: int) -> tuple[Mapping[str, Any], torch.Tensor, torch.Tensor]:
         """Sample ``index`` with its noise, sigma and caption dropout, all drawn from its serial alone:

@@ -53,3 +53,13 @@ def test_cli_prints_one_line_and_the_documented_code(tmp_path):
     debug = subprocess.run([sys.executable, "-m", "flows.cli", "--debug", "status", str(tmp_path / "missing.toml")],
                            capture_output=True, text=True)
     assert debug.returncode == EXIT_INPUT and "Traceback" in debug.stderr
+
+
+@pytest.mark.parametrize("message", [
+    "Error while serializing: I/O error: No space left on device (os error 28)",  # safetensors (Rust)
+    "[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534",  # torch.save to a path
+])
+def test_disk_full_reported_only_in_a_message_is_recognised(message):
+    found = classify(RuntimeError(message))
+    assert found is not None and found.exit_code == EXIT_ENVIRONMENT and not found.retryable
+    assert "full" in str(found)
