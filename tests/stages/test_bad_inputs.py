@@ -191,7 +191,7 @@ def test_damaged_weights_name_the_folder_and_file(cached, data, capsys, tmp_path
 
 @pytest.mark.parametrize("damage, fragments", [
     ("no cache", ["no splitflow cache here", "run preprocess"]),
-    ("dataset keys", ["dataset-keys.json is unreadable"]),
+    ("manifest", ["missing", "unreadable manifests: run `splitflow cache verify`"]),
     ("entry", ["is unreadable"]),
     ("partial", ["missing"]),
 ])
@@ -205,8 +205,9 @@ def test_cache_errors_at_train_time_are_one_line(cached, capsys, tmp_path, damag
         preprocess.finalize(two_parts)
     elif damage != "no cache":
         shutil.copytree(cached / "cache.zarr", cache)
-    if damage == "dataset keys":
-        (cache / "dataset-keys.json").write_text("{not json")
+    if damage == "manifest":
+        for manifest in (cache / "manifests").glob("*.json"):
+            manifest.write_text("{not json")
     if damage == "entry":
         chunks = [p for p in (cache / "parts").rglob("*") if p.is_file() and p.suffix != ".json" and "zarr" not in p.name]
         for chunk in chunks:
