@@ -6,6 +6,7 @@ a read-only folder (real tmpfs mounts in a private mount namespace) keeps what w
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -29,6 +30,18 @@ ROOT = Path(__file__).resolve().parents[2]
 def cached(preprocessed_demo) -> Path:
     """The shared preprocessed demo (config.toml, cache.zarr); tests copy what they damage."""
     return preprocessed_demo
+
+
+@pytest.fixture(autouse=True)
+def _no_prefect_console_handlers():
+    """Prefect, imported by the flows tests of this pytest process, leaves console handlers on the
+    root logger bound to streams pytest has closed since; a CLI process running these verbs never
+    imports Prefect, so they are set aside here (and put back)."""
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    root.handlers = [h for h in saved if not type(h).__module__.startswith("prefect")]
+    yield
+    root.handlers = saved
 
 
 def _cli(capsys, *argv: str) -> tuple[int, str]:
