@@ -1,6 +1,6 @@
 """NaN/Inf steps are skipped and a streak stops the run; nothing non-finite is ever written; trainable
-tensors that get no gradient are reported and left out of the optimizer, keeping resume and data
-parallelism exact."""
+tensors that get no gradient are reported and left out of the optimizer, keeping resume exact (data
+parallelism with such a layer: the "dead layer" case of test_data_parallel.py)."""
 
 import copy
 import logging
@@ -8,7 +8,6 @@ import logging
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch import nn
 
 from diffsynth_core.errors import InputError
 from diffsynth_core.training.checkpoint import CheckpointManager
@@ -16,20 +15,7 @@ from diffsynth_core.training.loop import Trainer
 from diffsynth_core.training.metrics import read_metrics
 from stages.config import OffloadSection, TrainSection
 
-from .toy import TOY_SPEC, ToyDiT, lora_of, toy_samples, train_on_gloo_ranks
-
-
-class ToyWithDeadHead(ToyDiT):
-    """Like Qwen-Image's last block: a layer whose output nobody reads (it can never learn)."""
-
-    def __init__(self):
-        super().__init__()
-        self.head = nn.Linear(16, 16)
-
-    def forward(self, latents, sigmas, prompt_embeds):
-        tokens = self.inp(latents.flatten(2).transpose(1, 2))
-        self.head(tokens)  # computed, never used
-        return super().forward(latents, sigmas, prompt_embeds)
+from .toy import TOY_SPEC, ToyDiT, ToyWithDeadHead, lora_of, toy_samples
 
 
 def _trainer(tmp_path, model, samples, **options):
@@ -105,21 +91,3 @@ def test_tensors_without_gradient_are_reported_left_out_and_resume_stays_exact(t
     assert not got["head.lora_B.default.weight"].any()  # LoRA B starts at zero and never moved
     saved = CheckpointManager(tmp_path / "resumed" / "checkpoints").load()
     assert saved["metadata"]["no_gradient"] == ["head.lora_A.default.weight", "head.lora_B.default.weight"]
-
-
-OPTIONS = dict(lora_rank=4, max_steps=2, learning_rate=1e-2, seed=1, gradient_checkpointing=False,
-               lora_target_modules=["proj", "head"])
-
-
-def test_data_parallel_ranks_match_one_process_with_a_dead_layer(tmp_path):
-    # Ranks fill missing gradients with zeros to all-reduce them; weight decay on those zeros used to
-    # move the dead layer's weights on two ranks and not in one process.
-    torch.manual_seed(0)
-    base = ToyWithDeadHead()
-    single = _trainer(tmp_path / "one", copy.deepcopy(base), toy_samples(4), **OPTIONS, gradient_accumulation_steps=2)
-    expected = lora_of(single.fit().model)
-    results = train_on_gloo_ranks(base, toy_samples(4), OPTIONS, tmp_path)
-    for name in expected:
-        assert torch.equal(results[0][name], results[1][name]), name
-        torch.testing.assert_close(results[0][name], expected[name], rtol=1e-5, atol=1e-6)
-    assert torch.equal(results[0]["head.lora_A.default.weight"], expected["head.lora_A.default.weight"])
