@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .loading import MODEL_INIT_LOCK, check_materialised
+from .loading import MODEL_INIT_LOCK, check_materialised, named_load_errors
 
 # checkpoint key -> name in the sub-model, or None for a tensor the sub-model does not hold
 Rename = Callable[[str], "str | None"]
@@ -39,7 +39,13 @@ def load_submodel(folder: Path, model_cls: type, config, dtype: torch.dtype, ren
 
     Only the tensors ``rename`` maps to one of the sub-model's weights are read; the others
     never leave the disk.  Every weight of the sub-model must be found (no silent random init).
+    A truncated, missing or foreign weight file is one line naming the folder and file.
     """
+    with named_load_errors(Path(folder)):
+        return _load_submodel(Path(folder), model_cls, config, dtype, rename)
+
+
+def _load_submodel(folder: Path, model_cls: type, config, dtype: torch.dtype, rename: Rename) -> nn.Module:
     from accelerate import init_empty_weights
 
     with MODEL_INIT_LOCK, init_empty_weights():  # weights on meta; buffers (RoPE tables) real

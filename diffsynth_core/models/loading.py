@@ -82,7 +82,7 @@ def load_component(path: Path, name: str, dtype: torch.dtype, device: str | torc
     folder = path / name
     if not folder.is_dir():
         raise InputError(f"{folder} is missing (named in {path}/model_index.json): the model folder is incomplete")
-    with MODEL_INIT_LOCK, _named_load_errors(folder):
+    with MODEL_INIT_LOCK, named_load_errors(folder):
         if not _is_weighted(cls):
             return cls.from_pretrained(folder)
         model = cls.from_pretrained(folder, dtype=dtype, low_cpu_mem_usage=True)  # returns it in eval mode
@@ -101,7 +101,7 @@ def check_materialised(model: torch.nn.Module, source: Path) -> None:
 
 
 @contextmanager
-def _named_load_errors(folder: Path):
+def named_load_errors(folder: Path):
     """A library's failure to read a component's files becomes one line naming the folder and file.
 
     diffusers/transformers/safetensors raise OSError, ValueError, RuntimeError or SafetensorError
