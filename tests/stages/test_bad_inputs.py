@@ -97,8 +97,8 @@ DATA_CASES = {
                  [], ["outside.png", "outside the dataset folder", "dataset.allow_external_paths"]),
     "GIF for an image family": ("video,prompt\nclip.gif,x\n", lambda d: _gif(d / "clip.gif", 5),
                                 ["dataset.num_frames=5"], ["clip.gif", "trains on still images only"]),
-    "unknown model.family": ("image,prompt\nok.png,x\n", None, ["model.family='sdxl'"], ["model.family = 'sdxl'"]),
-    "family not matching the model folder": ("image,prompt\nok.png,x\n", None, ["model.family='wan'"],
+    "unknown model.family": ("image,prompt\nok.png,x\n", None, ["model.family=sdxl"], ["model.family = 'sdxl'"]),
+    "family not matching the model folder": ("image,prompt\nok.png,x\n", None, ["model.family=wan"],
                                              ["holds a QwenImagePipeline model", "model.family = 'qwen_image'"]),
     "preprocess.device=tpu9": ("image,prompt\nok.png,x\n", None, ["preprocess.device='tpu9'"],
                                ["preprocess.device: 'tpu9' is not a device"]),
@@ -138,7 +138,7 @@ def test_a_short_video_is_an_error_naming_row_and_file(cached, data, capsys, tmp
     folder, args = data
     _gif(folder / "clip.gif", 3)
     _rows(folder, "video,prompt\nclip.gif,x\n")
-    code, err = _cli(capsys, "preprocess", cached / "config.toml", "--part", 0, *args, "--set", "model.family='wan'",
+    code, err = _cli(capsys, "preprocess", cached / "config.toml", "--part", 0, *args, "--set", "model.family=wan",
                      "--set", f"model.path={wan}", "--set", "dataset.num_frames=9")
     _assert_one_line(code, err, 2, "data row 1 (index 0)", "clip.gif", "has 3 frames, fewer than dataset.num_frames = 9")
 
