@@ -60,8 +60,9 @@ class FamilySpec:
     encode_pixels: Callable[[Components, torch.Tensor, str], dict[str, torch.Tensor]]
     # dit_forward(transformer, latents, sigmas, cond) -> prediction in the latents' layout
     dit_forward: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor]
-    # export_lora(peft_state_dict, lora_config, out_dir) -> {"diffusers": path, "comfyui": path}
-    export_lora: Callable[[dict[str, torch.Tensor], dict[str, Any], Path], dict[str, Path]]
+    # export_lora(peft_state_dict, lora_config, out_dir, *, stem="lora") -> {"diffusers": path,
+    # "comfyui": path, "diffsynth": path}: one file per consumer (models/lora_export.py)
+    export_lora: Callable[..., dict[str, Path]]
     # save_tiny_model(out_dir, seed) -> out_dir : a tiny random model in the diffusers layout
     save_tiny_model: Callable[[Path, int], Path]
     # Name of the diffusers pipeline class that loads the folder (validation, reload tests).

@@ -255,10 +255,13 @@ def dummy_inputs(config: Mapping[str, Any], batch: int = 1, height: int = 64, wi
 # --- LoRA export -----------------------------------------------------------------------------
 
 def export_lora(peft_state_dict: dict[str, torch.Tensor], lora_config: dict[str, Any],
-                out_dir: Path) -> dict[str, Path]:
-    """diffusers file always; a ComfyUI file (``diffusion_model.<name>`` + ``.alpha``) only when alpha != r,
-    since ComfyUI already reads the diffusers names for Qwen-Image but ignores the header's alpha."""
-    return lora_export.export_with_alpha_file(_pipeline_cls(), peft_state_dict, lora_config, out_dir, "diffusion_model.")
+                out_dir: Path, *, stem: str = "lora") -> dict[str, Path]:
+    """diffusers, ComfyUI and DiffSynth files.  ComfyUI's and DiffSynth's Qwen-Image DiTs use the
+    diffusers module names (comfy/ldm/qwen_image/model.py, diffsynth/models/qwen_image_dit.py),
+    so ComfyUI gets ``diffusion_model.<name>`` + ``.alpha`` and DiffSynth the bare names."""
+    return lora_export.export_lora_files(
+        _pipeline_cls(), peft_state_dict, lora_config, out_dir, stem=stem,
+        comfyui_name=lambda module: "diffusion_model." + module, diffsynth_layout=lora_export.renamed(str))
 
 
 SPEC = FamilySpec(
