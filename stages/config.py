@@ -162,6 +162,9 @@ class OffloadSection(_Section):
 
 class OutputSection(_Section):
     path: str = "./splitflow-out"
+    # LoRA files besides the final lora*.safetensors, in <path>/loras/ (docs/lora_files.md):
+    # "epoch": epoch-K (K from 0, as DiffSynth-Studio), "save": step-N at every checkpoint, "end": none.
+    export_every: Literal["epoch", "save", "end"] = "epoch"
 
 
 class RunConfig(_Section):
