@@ -327,6 +327,12 @@ def export_lora(peft_state_dict: dict[str, torch.Tensor], lora_config: dict[str,
         comfyui_name=lambda module: "transformer." + module, diffsynth_layout=_diffsynth_layout)
 
 
+# diffsynth/pipelines/flux_image.py: InputImageEmbedder -> input_latents (1, 16, h, w), PromptEmbedder ->
+# prompt_emb (1, 512, 4096), pooled_prompt_emb (1, 768) and text_ids (ours are rebuilt in dit_forward).
+DIFFSYNTH_CACHE_FIELDS = {"input_latents": "latents", "prompt_emb": "prompt_embeds",
+                          "pooled_prompt_emb": "pooled_prompt_embeds"}
+
+
 SPEC = FamilySpec(
     name="flux",
     encoder_components=ENCODER_COMPONENTS,
@@ -359,6 +365,7 @@ SPEC = FamilySpec(
     default_loss_weighting="diffsynth",
     encoder_variants=tuple(ENCODER_CONFIGS),
     build_encoders=build_encoders,
+    diffsynth_cache_fields=DIFFSYNTH_CACHE_FIELDS,
     extras={"latent_channels": 16, "vae_scale_factor": VAE_SCALE, "pixel_multiple": VAE_SCALE * PATCH,
             "default_max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH, "train_guidance": TRAIN_GUIDANCE},
     released_formats=flux_released.FORMATS,

@@ -264,6 +264,12 @@ def export_lora(peft_state_dict: dict[str, torch.Tensor], lora_config: dict[str,
         comfyui_name=lambda module: "diffusion_model." + module, diffsynth_layout=lora_export.renamed(str))
 
 
+# diffsynth/pipelines/qwen_image.py: InputImageEmbedder -> input_latents (1, 16, h, w), PromptEmbedder ->
+# prompt_emb (1, L, 3584) and prompt_emb_mask (1, L).
+DIFFSYNTH_CACHE_FIELDS = {"input_latents": "latents", "prompt_emb": "prompt_embeds",
+                          "prompt_emb_mask": "prompt_embeds_mask"}
+
+
 SPEC = FamilySpec(
     name="qwen_image",
     encoder_components=ENCODER_COMPONENTS,
@@ -294,6 +300,7 @@ SPEC = FamilySpec(
     default_loss_weighting="diffsynth",
     encoder_variants=tuple(ENCODER_CONFIGS),
     build_encoders=build_encoders,
+    diffsynth_cache_fields=DIFFSYNTH_CACHE_FIELDS,
     extras={"latent_channels": 16, "vae_scale_factor": VAE_SCALE, "pixel_multiple": VAE_SCALE * PATCH,
             "default_max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH},
     released_formats=qwen_image_released.FORMATS,  # DiffSynth's Qwen-Image module names are diffusers'

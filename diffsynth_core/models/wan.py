@@ -280,6 +280,11 @@ def export_lora(peft_state_dict: dict[str, torch.Tensor], lora_config: dict[str,
         diffsynth_layout=lora_export.renamed(native_name))
 
 
+# diffsynth/pipelines/wan_video.py: InputVideoEmbedder -> input_latents (1, 16, f, h, w), PromptEmbedder ->
+# context (1, 512, 4096), zero past the prompt's length like ours.
+DIFFSYNTH_CACHE_FIELDS = {"input_latents": "latents", "context": "prompt_embeds"}
+
+
 SPEC = FamilySpec(
     name="wan",
     encoder_components=ENCODER_COMPONENTS,
@@ -310,6 +315,7 @@ SPEC = FamilySpec(
     default_loss_weighting="diffsynth",
     encoder_variants=tuple(ENCODER_CONFIGS),
     build_encoders=build_encoders,
+    diffsynth_cache_fields=DIFFSYNTH_CACHE_FIELDS,
     extras={"latent_channels": 16, "vae_scale_factor": VAE_SCALE, "pixel_multiple": VAE_SCALE * PATCH,
             "default_max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH, "num_train_timesteps": NUM_TRAIN_TIMESTEPS},
     released_formats=wan_released.FORMATS,
