@@ -36,6 +36,28 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class DatasetSource(_Section):
+    """One of several datasets (``dataset.sources``); unset values come from ``[dataset]``.
+
+    A source that sets ``max_pixels`` or ``height``/``width`` brings its own size rule."""
+    metadata_path: str = Field(min_length=1)  # metadata file or media folder
+    base_path: str = ""
+    repeat: int = Field(1, ge=1)
+    caption_extension: str | None = None
+    max_pixels: int | None = Field(None, gt=0)
+    height: int | None = None
+    width: int | None = None
+    num_frames: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _size_is_aligned(self):
+        for name in ("height", "width"):
+            value = getattr(self, name)
+            if value is not None and (value <= 0 or value % 16):
+                raise ValueError(f"{name} must be a positive multiple of 16, got {value}")
+        return self
+
+
 class DatasetSection(_Section):
     base_path: str = ""
     metadata_path: str = ""
@@ -46,6 +68,17 @@ class DatasetSection(_Section):
     width: int | None = None
     num_frames: int = Field(1, ge=1)
     skip_bad_samples: bool = False
+    # Folder datasets (kohya/musubi-tuner): media files with same-name caption files.
+    caption_extension: str = ".txt"
+    # Several datasets with their own repeats and sizes; a musubi-tuner dataset TOML given as
+    # metadata_path is expanded into these (stages/compat/musubi.py, docs/datasets.md).
+    sources: list[DatasetSource] = []
+
+    @model_validator(mode="after")
+    def _one_kind_of_dataset(self):
+        if self.sources and self.metadata_path and not self.metadata_path.endswith(".toml"):
+            raise ValueError("give dataset.metadata_path or dataset.sources, not both")
+        return self
 
     @model_validator(mode="after")
     def _fixed_size_is_aligned(self):
@@ -271,6 +304,9 @@ def build_config(data: dict[str, Any], overrides: list[str] = (), source: str = 
         if not sep:
             raise ConfigError(f"--set {item!r}: expected section.key=value")
         apply_override(data, dotted.strip(), _parse_value(raw.strip()))
+    from .compat.musubi import expand_dataset_config  # a musubi dataset TOML -> dataset.sources
+
+    data = expand_dataset_config(data)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:

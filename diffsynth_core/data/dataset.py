@@ -57,7 +57,8 @@ class SampleDataset(Dataset):
                  data_file_keys: Sequence[str] | str = ("image", "video"),
                  height: int | None = None, width: int | None = None,
                  max_pixels: int = 1024 * 1024, num_frames: int = 1, frame_multiple: int = 1,
-                 division: int = 16, repeat: int = 1, skip_bad_samples: bool = False):
+                 division: int = 16, repeat: int = 1, skip_bad_samples: bool = False,
+                 records: list[dict[str, Any]] | None = None):
         self.metadata_path = Path(metadata_path).absolute()
         # Relative media paths are resolved against base_path, else the metadata's folder;
         # absolute so that files (and cache keys built from them) do not depend on the cwd.
@@ -77,7 +78,8 @@ class SampleDataset(Dataset):
         if errors:  # all of them at once, before any file is read
             raise DatasetError("invalid dataset settings: " + "; ".join(errors),
                                metadata=self.metadata_path)
-        self.records: list[dict[str, Any]] = load_metadata(self.metadata_path)
+        # `records`: rows read elsewhere (a caption folder); metadata_path then names their source.
+        self.records: list[dict[str, Any]] = load_metadata(self.metadata_path) if records is None else records
         self.prompt_column, self.media_columns = find_columns(
             self.records, self.data_file_keys, self.metadata_path)
         self._skipped: dict[int, tuple[str, str]] = {}
