@@ -14,8 +14,10 @@ def _lora_files(output):
             for p in sorted(output.rglob("*.safetensors")) if "checkpoints" not in p.parts}
 
 
-def test_epoch_exports_hold_that_epochs_weights_and_identical_runs_give_identical_bytes(make_config, tmp_path):
-    steps = ["train.max_steps=20", "train.save_steps=16", "train.lora_alpha=8"]  # 16 samples: epoch 0 ends at 16
+def test_exports_follow_epochs_or_checkpoints_and_identical_runs_give_identical_bytes(make_config, tmp_path):
+    metadata = tmp_path / "dataset" / "metadata.csv"
+    metadata.write_text("".join(metadata.read_text().splitlines(keepends=True)[:5]))  # 4 rows: 4 steps an epoch
+    steps = ["train.max_steps=6", "train.save_steps=4", "train.lora_alpha=8"]
     cfg = make_config(*steps)
     preprocess.run(cfg)
     train.run(cfg)
@@ -28,27 +30,23 @@ def test_epoch_exports_hold_that_epochs_weights_and_identical_runs_give_identica
                              "loras/epoch-0_diffsynth.safetensors"]
     assert first == _lora_files(again.output_dir)  # sha256 of every file
 
-    at_16 = load_file(str(cfg.output_dir / "checkpoints" / "step-00000016" / "trainable.safetensors"))
+    at_4 = load_file(str(cfg.output_dir / "checkpoints" / "step-00000004" / "trainable.safetensors"))
     epoch_0 = load_file(str(cfg.output_dir / "loras" / "epoch-0.safetensors"))
-    assert len(epoch_0) == len(at_16)
-    for key, value in at_16.items():
+    assert len(epoch_0) == len(at_4)
+    for key, value in at_4.items():
         assert epoch_0["transformer." + key.replace(".default.", ".")].equal(value), key
     final = load_file(str(cfg.output_dir / "lora.safetensors"))
-    assert any(not final[k].equal(v) for k, v in epoch_0.items())  # 4 more steps changed it
+    assert any(not final[k].equal(v) for k, v in epoch_0.items())  # 2 more steps changed it
 
-
-def test_save_mode_exports_at_every_checkpoint_and_end_mode_only_at_the_end(make_config, tmp_path):
-    cfg = make_config("train.max_steps=4", "train.save_steps=2", "output.export_every=save")
-    preprocess.run(cfg)
-    train.run(cfg)
-    files = _lora_files(cfg.output_dir)
+    saves = make_config(*steps, "output.export_every=save", f"output.path={tmp_path / 'saves'}")
+    train.run(saves)
+    files = _lora_files(saves.output_dir)
     assert sorted(f for f in files if f.startswith("loras/")) == [
-        f"loras/step-{n}{s}.safetensors" for n in (2, 4) for s in ("", "_comfyui", "_diffsynth")]
+        f"loras/step-{n}{s}.safetensors" for n in (4, 6) for s in ("", "_comfyui", "_diffsynth")]
     for suffix in ("", "_comfyui", "_diffsynth"):  # the last checkpoint's export is the final LoRA
-        assert files[f"loras/step-4{suffix}.safetensors"] == files[f"lora{suffix}.safetensors"]
+        assert files[f"loras/step-6{suffix}.safetensors"] == files[f"lora{suffix}.safetensors"]
+        assert files[f"lora{suffix}.safetensors"] == first[f"lora{suffix}.safetensors"]
 
-    end = make_config("train.max_steps=4", "train.save_steps=2", "output.export_every=end",
-                      f"output.path={tmp_path / 'end'}")
+    end = make_config(*steps, "output.export_every=end", f"output.path={tmp_path / 'end'}")
     train.run(end)
     assert not (end.output_dir / "loras").exists()
-    assert _lora_files(end.output_dir) == {k: v for k, v in files.items() if not k.startswith("loras/")}
