@@ -18,13 +18,21 @@ class ConcatSamples:
         """``parts``: (dataset, repeat) pairs, in training order."""
         self.parts = [dataset for dataset, _ in parts]
         self._rows: list[tuple[int, int]] = []  # global row -> (part, row in that part)
+        self._first: list[int] = []  # global row -> global row of its first repetition
         for part, (dataset, repeat) in enumerate(parts):
+            start = len(self._rows)
             for _ in range(repeat):
+                self._first += [start + row for row in range(len(dataset.records))]
                 self._rows += [(part, row) for row in range(len(dataset.records))]
         self.records: list[dict[str, Any]] = [self.parts[p].records[r] for p, r in self._rows]
 
     def __len__(self) -> int:
         return len(self._rows)
+
+    def first_row(self, index: int) -> int:
+        """The row that ``index`` repeats (itself for a first occurrence): preprocessing parts
+        split rows by it, so one part encodes a row and all its repeats."""
+        return self._first[index]
 
     def source_files(self, index: int):
         part, row = self._rows[index]

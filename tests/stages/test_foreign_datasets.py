@@ -59,12 +59,17 @@ def test_kohya_repeat_folders_repeat_and_caption_with_their_class_tokens(demo_as
     _image(root / "3_sks dog" / "x.png")
     (root / "3_sks dog" / "x.caption").write_text("sks dog on grass")
     _image(root / "3_sks dog" / "y.png", colour=(0, 90, 0))  # no caption file: the class tokens
+    _image(root / "3_sks dog" / "w.png", colour=(90, 0, 0))
+    (root / "3_sks dog" / "w.caption").write_text("sks dog asleep")
     _image(root / "1_cat" / "z.png", colour=(0, 0, 90))
     (root / "1_cat" / "z.caption").write_text("a cat")
-    cfg = _config(demo_assets, tmp_path, {"metadata_path": str(root), "caption_extension": ".caption"})
-    summary = preprocess.run(cfg)
-    assert summary.encoded == 3  # repeats are the same entries, encoded once
-    assert _prompts_in_training_order(cfg) == ["a cat"] + ["sks dog on grass", "sks dog"] * 3  # by folder name
+    cfg = _config(demo_assets, tmp_path, {"metadata_path": str(root), "caption_extension": ".caption"},
+                  "preprocess.parts=2")
+    part_keys = [set(preprocess.make_plan(cfg, part).keys.values()) for part in (0, 1)]
+    assert not part_keys[0] & part_keys[1]  # a row and its repeats are one entry, for one part to encode
+    assert sum(preprocess.run(cfg, part).encoded for part in (0, 1)) == 4
+    assert preprocess.finalize(cfg).complete
+    assert _prompts_in_training_order(cfg) == ["a cat"] + ["sks dog asleep", "sks dog on grass", "sks dog"] * 3
 
 
 MUSUBI_TOML = """
