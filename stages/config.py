@@ -13,11 +13,11 @@ import logging
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import tomli_w
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from diffsynth_core.errors import InputError
 from diffsynth_core.training.optimizers import split_name as _optimizer_name
@@ -36,6 +36,12 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def _multiple_of_16(value: int | None) -> int | None:
+    if value is not None and (value <= 0 or value % 16):
+        raise ValueError(f"must be a positive multiple of 16, got {value}")
+    return value
+
+
 class DatasetSource(_Section):
     """One of several datasets (``dataset.sources``); unset values come from ``[dataset]``.
 
@@ -45,17 +51,9 @@ class DatasetSource(_Section):
     repeat: int = Field(1, ge=1)
     caption_extension: str | None = None
     max_pixels: int | None = Field(None, gt=0)
-    height: int | None = None
-    width: int | None = None
+    height: Annotated[int | None, AfterValidator(_multiple_of_16)] = None
+    width: Annotated[int | None, AfterValidator(_multiple_of_16)] = None
     num_frames: int | None = Field(None, ge=1)
-
-    @model_validator(mode="after")
-    def _size_is_aligned(self):
-        for name in ("height", "width"):
-            value = getattr(self, name)
-            if value is not None and (value <= 0 or value % 16):
-                raise ValueError(f"{name} must be a positive multiple of 16, got {value}")
-        return self
 
 
 class DatasetSection(_Section):
