@@ -146,17 +146,19 @@ def diffsynth_files(src: str | os.PathLike) -> list[Path]:
 def import_diffsynth_cache(src: str | os.PathLike, dest_url: str, *, backend: str | None = None,
                            fingerprint: str = "diffsynth-import", rename: dict[str, str] | None = None,
                            drop: tuple[str, ...] = DEFAULT_DROP, commit_every: int = 256,
-                           storage_options: dict | None = None, only_renamed: bool = False) -> dict[str, Any]:
+                           storage_options: dict | None = None, only_renamed: bool = False,
+                           family: str | None = None) -> dict[str, Any]:
     """Copy every ``<rank>/<i>.pth`` under ``src`` into the cache at ``dest_url``.
 
     Keys hash each file's bytes, so re-running skips what was imported; the dataset keys are
     all imported entries in (rank, index) order.  A bad file stops the import with an error
     naming it; everything committed before stays intact.  ``rename``/``only_renamed``: see
-    :func:`diffsynth_entry`.  Returns a summary dict.
+    :func:`diffsynth_entry`; ``family`` is recorded in the cache (checked against training
+    configs).  Returns a summary dict.
     """
     files = diffsynth_files(src)
-    store = open_cache(dest_url, "a", backend=backend, fingerprint=fingerprint, writer="diffsynth-import",
-                       storage_options=storage_options)
+    store = open_cache(dest_url, "a", backend=backend, fingerprint=fingerprint, family=family,
+                       writer="diffsynth-import", storage_options=storage_options)
     keys, imported = [], 0
     for path in files:
         key = entry_key({"diffsynth_file": f"{path.parent.name}/{path.name}"}, [path],

@@ -26,6 +26,11 @@ class ConcatSamples:
                 self._rows += [(part, row) for row in range(len(dataset.records))]
         self.records: list[dict[str, Any]] = [self.parts[p].records[r] for p, r in self._rows]
 
+    @property
+    def metadata_path(self) -> str:
+        """What error messages name as the data: the sources' own files are named row by row."""
+        return "dataset.sources"
+
     def __len__(self) -> int:
         return len(self._rows)
 

@@ -34,6 +34,6 @@ def import_cache(src: str, dest: str, family: str | None = None, backend: str | 
     family = family or detect_family(src)
     fields = dict(get_family(family).diffsynth_cache_fields)
     summary = import_diffsynth_cache(src, dest, backend=backend, rename=fields, only_renamed=True,
-                                     fingerprint=f"diffsynth-import:{family}")
+                                     fingerprint=f"diffsynth-import:{family}", family=family)
     summary["family"] = family
     return summary

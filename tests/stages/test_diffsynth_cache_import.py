@@ -98,6 +98,7 @@ def test_an_imported_diffsynth_cache_trains(family, tmp_path):
     assert summary["family"] == family and summary["imported"] == 3
 
     store = open_cache(tmp_path / "cache.zarr")
+    assert store.family == family  # recorded: a config of another family is refused at train time
     keys = store.require_complete()
     shared, posi, _ = SAMPLES[family](1)  # rank 1, file 0.pth: the second key in (rank, index) order
     entry = store.get(keys[2])
@@ -133,5 +134,9 @@ def test_cache_import_cli_and_a_wrong_family_named(tmp_path):
 
     with pytest.raises(CacheFormatError, match=r"0/0\.pth: no tensor 'context'"):  # an InputError: exit 2
         import_cache(str(src), str(tmp_path / "wan.zarr"), family="wan")
+    wan = build_config({"model": {"family": "wan", "path": str(tmp_path / "no-model")},
+                        "cache": {"url": str(tmp_path / "cache.zarr")}, "output": {"path": str(tmp_path / "out")}})
+    with pytest.raises(CacheFormatError, match="family 'flux'.*family 'wan'"):
+        train.run(wan)
     with pytest.raises(CacheFormatError, match="nowhere does not exist"):  # an InputError: exit 2
         import_cache(str(tmp_path / "nowhere"), str(tmp_path / "x.zarr"))
