@@ -12,11 +12,11 @@ import logging
 import pytest
 from PIL import Image
 
-from cache_store import open_cache
 from diffsynth_core.errors import InputError
 from stages import preprocess, train
 from stages.compat.musubi import read_dataset_config
 from stages.config import build_config
+from stages.keys import training_keys
 
 
 def _image(path, size=(64, 48), colour=(200, 30, 30)):
@@ -34,8 +34,8 @@ def _config(demo_assets, tmp_path, dataset, *extra):
 
 
 def _prompts_in_training_order(cfg):
-    store = open_cache(cfg.cache_url)
-    return [store.get(k)["meta"]["prompt"] for k in store.require_complete()]
+    store, keys = training_keys(cfg)  # what stage 2 trains on, derived from the config
+    return [store.get(k)["meta"]["prompt"] for k in keys]
 
 
 def test_a_kohya_caption_folder_trains_as_it_is(demo_assets, tmp_path, caplog):
@@ -116,8 +116,8 @@ def test_a_musubi_dataset_toml_maps_each_dataset_to_a_source_and_trains(demo_ass
     assert "datasets[0].cache_directory has no effect" in caplog.text
 
     preprocess.run(cfg)
-    store = open_cache(cfg.cache_url)
-    entries = [store.get(k) for k in store.require_complete()]
+    store, keys = training_keys(cfg)
+    entries = [store.get(k) for k in keys]
     assert [(e["meta"]["prompt"], e["meta"]["height"], e["meta"]["width"]) for e in entries] == [
         ("one wide image", 32, 64), ("one wide image", 32, 64), ("two", 32, 32)]  # area <= 64*48, /16
     assert train.run(cfg).steps == 2
