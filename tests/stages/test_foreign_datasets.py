@@ -76,7 +76,7 @@ MUSUBI_TOML = """
 [general]
 resolution = [64, 48]
 caption_extension = ".caption"
-batch_size = 1
+batch_size = 2
 enable_bucket = true
 bucket_no_upscale = false
 
@@ -112,7 +112,7 @@ def test_a_musubi_dataset_toml_maps_each_dataset_to_a_source_and_trains(demo_ass
          "max_pixels": 64 * 48},  # enable_bucket: area-based
         {"metadata_path": str(jsonl), "base_path": "", "repeat": 1, "caption_extension": ".caption",
          "height": 32, "width": 32}]  # no bucket: musubi's fixed resolution
-    assert cfg.train.batch_size == 1
+    assert cfg.train.batch_size == 2  # trained in batches of one latent shape (bucket)
     assert "datasets[0].cache_directory has no effect" in caplog.text
 
     preprocess.run(cfg)
@@ -143,7 +143,7 @@ def test_musubi_video_and_batch_settings_map(tmp_path):
     assert [s["num_frames"] for s in sources] == [1, 25, 45]
     assert all(s["height"] == 544 and s["width"] == 960 and s["metadata_path"].endswith("/clips") for s in sources)
     cfg = build_config({"dataset": {"metadata_path": str(toml)}})
-    assert cfg.train.batch_size == 4  # mapped; training refuses > 1 until bucketed batches land
+    assert cfg.train.batch_size == 4  # the config did not set it: the TOML decides
     assert build_config({"dataset": {"metadata_path": str(toml)}, "train": {"batch_size": 1}}).train.batch_size == 1
 
 
