@@ -167,11 +167,16 @@ def save_diffusers_lora(pipeline_cls: type, peft_state_dict: dict[str, torch.Ten
     return write_safetensors(out_dir / name, written, header)
 
 
-def comfy_alpha(lora_config: dict[str, Any], rank: int) -> float:
-    """The ``.alpha`` that gives ComfyUI (scale = alpha / rank) peft's scale for this rank."""
-    if lora_config.get("alpha_pattern") or lora_config.get("rank_pattern"):
-        raise ValueError("alpha_pattern/rank_pattern LoRAs cannot be exported to a single-alpha format")
+def comfy_alpha(lora_config: dict[str, Any], rank: int, module: str = "") -> float:
+    """The ``.alpha`` that gives a single-alpha loader (scale = alpha / rank) peft's scale for
+    ``module``: its ``alpha_pattern`` entry if any (matched as peft matches it), rsLoRA included."""
+    from peft.utils.other import get_pattern_key
+
     alpha = float(lora_config["lora_alpha"])
+    patterns = lora_config.get("alpha_pattern") or {}
+    key = get_pattern_key(list(patterns), module) if patterns else None
+    if key in patterns:
+        alpha = float(patterns[key])
     if lora_config.get("use_rslora"):
         return alpha * math.sqrt(rank)  # peft scale alpha/sqrt(r) == (alpha*sqrt(r))/r
     return alpha
@@ -191,7 +196,7 @@ def comfy_state_dict(peft_state_dict: dict[str, torch.Tensor], lora_config: dict
         name = rename(module)
         out[name + ".lora_A.weight"] = down.detach().contiguous()
         out[name + ".lora_B.weight"] = peft_state_dict[module + ".lora_B.weight"].detach().contiguous()
-        out[name + ".alpha"] = torch.tensor(comfy_alpha(lora_config, down.shape[0]), dtype=torch.float32)
+        out[name + ".alpha"] = torch.tensor(comfy_alpha(lora_config, down.shape[0], module), dtype=torch.float32)
     return out
 
 
@@ -200,7 +205,7 @@ def scaled_pairs(peft_state_dict: dict[str, torch.Tensor], lora_config: dict[str
     pairs = {}
     for module in lora_modules(peft_state_dict):
         down = peft_state_dict[module + ".lora_A.weight"].detach()
-        scale = comfy_alpha(lora_config, down.shape[0]) / down.shape[0]
+        scale = comfy_alpha(lora_config, down.shape[0], module) / down.shape[0]
         pairs[module] = (down * scale if scale != 1 else down, peft_state_dict[module + ".lora_B.weight"].detach())
     return pairs
 

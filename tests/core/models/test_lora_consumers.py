@@ -421,3 +421,45 @@ def test_the_same_weights_give_byte_identical_files(exported, tmp_path):
         assert hashlib.sha256(again[consumer].read_bytes()).hexdigest() == digest, consumer
     assert sorted(p.name for p in tmp_path.iterdir()) == ["again.safetensors", "again_comfyui.safetensors",
                                                          "again_diffsynth.safetensors"]
+
+
+def test_per_module_rank_and_alpha_are_kept_by_every_consumer(tmp_path):
+    """A LoRA continued from a file with mixed ranks/alphas (rank_pattern, alpha_pattern): each
+    module keeps its own scale in ComfyUI's .alpha and DiffSynth's folded lora_A.  Truth is peft's own merge."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    spec = get_family("flux")
+    model = spec.build_transformer("tiny", torch.float32, "cpu")
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    config = {"r": 4, "lora_alpha": 6.0, "target_modules": linears, "rank_pattern": {"attn.to_k": 2},
+              "alpha_pattern": {"to_v": 3.0, "proj_mlp": 1.0}}
+    inject_adapter_in_model(LoraConfig(**config), model)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.1)
+    peft_sd = lora_state_dict(model)
+    paths = spec.export_lora(peft_sd, config, tmp_path)
+    for module in model.modules():
+        if hasattr(module, "merge") and hasattr(module, "base_layer"):
+            module.merge()
+    truth = {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items() if "lora_" not in k}
+    assert truth.keys() == base.keys()
+    assert peft_sd["single_transformer_blocks.0.attn.to_k.lora_A.weight"].shape[0] == 2
+
+    cfg = dict(model.config)
+    lora = load_file(str(paths["comfyui"]))
+    native = comfy_native("flux", base, cfg)
+    assert comfy_apply(lora, comfy_lora_keys("flux", native, cfg), native) == set(lora)
+    expected = comfy_native("flux", truth, cfg)
+    for key, value in native.items():
+        torch.testing.assert_close(value, expected[key], msg=key)
+
+    weights = diffsynth_native("flux", base)
+    for name, (up, down) in diffsynth_pairs(load_file(str(paths["diffsynth"])))[0].items():
+        weights[name + ".weight"] += up @ down
+    expected = diffsynth_native("flux", truth)
+    for key, value in weights.items():
+        torch.testing.assert_close(value, expected[key], msg=key)
