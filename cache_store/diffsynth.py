@@ -77,33 +77,52 @@ DEFAULT_RENAME = {"input_latents": "latents", "prompt_emb": "prompt_embeds",
 DEFAULT_DROP = ("noise", "latents")  # DiffSynth's "latents" is the noise: dead weight in stage 2
 
 
-def diffsynth_entry(data: Any, where: str, rename: dict[str, str] | None = None,
-                    drop: tuple[str, ...] = DEFAULT_DROP, squeeze_batch: bool = True) -> Entry:
-    """Map ``(inputs_shared, inputs_posi, inputs_nega)`` to a splitflow entry.
-
-    Tensors of the shared and positive inputs become fields (renamed to splitflow's names, the
-    leading batch dim of 1 removed); plain values go to ``meta``; the negative inputs are the
-    positive ones again at cfg_scale 1 and are skipped.
-    """
-    rename = DEFAULT_RENAME if rename is None else rename
+def _tensor_fields(data: Any, where: str) -> dict[str, Any]:
     dicts = data[:2] if isinstance(data, (tuple, list)) else (data,)
     if not dicts or not all(isinstance(d, dict) for d in dicts):
         raise CacheFormatError(f"{where}: expected a (shared, positive, negative) tuple of dicts")
+    merged: dict[str, Any] = {}
+    for d in dicts:  # the negative inputs are the positive ones again at cfg_scale 1: skipped
+        merged.update(d)
+    return merged
+
+
+def tensor_names(data: Any, where: str = "DiffSynth cache file") -> set[str]:
+    """Names of the tensors in the shared and positive inputs of one cached sample."""
+    return {k for k, v in _tensor_fields(data, where).items() if isinstance(v, torch.Tensor)}
+
+
+def diffsynth_entry(data: Any, where: str, rename: dict[str, str] | None = None,
+                    drop: tuple[str, ...] = DEFAULT_DROP, squeeze_batch: bool = True,
+                    only_renamed: bool = False) -> Entry:
+    """Map ``(inputs_shared, inputs_posi, inputs_nega)`` to a splitflow entry.
+
+    Tensors of the shared and positive inputs become fields (renamed to splitflow's names, the
+    leading batch dim of 1 removed); with ``only_renamed`` just the renamed ones, each required.
+    Plain values go to ``meta``.  ``latents`` always get the frame axis splitflow caches
+    (``(C, F, h, w)``): DiffSynth's image pipelines cache ``(1, C, h, w)``.
+    """
+    rename = DEFAULT_RENAME if rename is None else rename
+    fields = _tensor_fields(data, where)
+    missing = sorted(k for k in rename if only_renamed and not isinstance(fields.get(k), torch.Tensor))
+    if missing:
+        raise CacheFormatError(f"{where}: no tensor {missing[0]!r} (expected {', '.join(rename)}); "
+                               "is it a cache of another model family?")
     entry: Entry = {}
     meta: dict[str, Any] = {"source": where, "dropped": []}
-    for d in dicts:
-        for name, value in d.items():
-            if name in drop:
-                continue
-            if isinstance(value, torch.Tensor):
-                t = value[0] if squeeze_batch and value.dim() > 0 and value.shape[0] == 1 else value
-                entry[rename.get(name, name)] = t.contiguous()
-            elif value is None or isinstance(value, (bool, int, float, str)):
-                meta[name] = value
-            else:
-                meta["dropped"].append(name)  # PIL images, devices, lists of images ...
+    for name, value in fields.items():
+        if isinstance(value, torch.Tensor) and name not in drop and (name in rename or not only_renamed):
+            t = value[0] if squeeze_batch and value.dim() > 0 and value.shape[0] == 1 else value
+            entry[rename.get(name, name)] = t.contiguous()
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            meta[name] = value
+        elif name not in drop:
+            meta["dropped"].append(name)  # PIL images, devices, tensors no stage-2 forward reads ...
     if not any(isinstance(v, torch.Tensor) for v in entry.values()):
         raise CacheFormatError(f"{where}: holds no tensors")
+    latents = entry.get("latents")
+    if isinstance(latents, torch.Tensor) and latents.dim() == 3:
+        entry["latents"] = latents[:, None]
     entry["meta"] = meta
     return entry
 
@@ -112,7 +131,8 @@ def diffsynth_files(src: str | os.PathLike) -> list[Path]:
     """``<rank>/<i>.pth`` files in a stable order (rank, then index), not listing order."""
     root = Path(src)
     if not root.is_dir():
-        raise FileNotFoundError(f"DiffSynth cache folder {root} does not exist")
+        raise CacheFormatError(f"DiffSynth cache folder {root} does not exist (give the --output_path of "
+                               "its data_process task)")
     files = [p for d in root.iterdir() if d.is_dir() and d.name.isdigit() for p in d.glob("*.pth")]
     if not files:
         raise CacheFormatError(f"{root}: no <rank>/<i>.pth files (not a DiffSynth split-training cache)")
@@ -126,24 +146,28 @@ def diffsynth_files(src: str | os.PathLike) -> list[Path]:
 def import_diffsynth_cache(src: str | os.PathLike, dest_url: str, *, backend: str | None = None,
                            fingerprint: str = "diffsynth-import", rename: dict[str, str] | None = None,
                            drop: tuple[str, ...] = DEFAULT_DROP, commit_every: int = 256,
-                           storage_options: dict | None = None) -> dict[str, Any]:
+                           storage_options: dict | None = None, only_renamed: bool = False,
+                           family: str | None = None) -> dict[str, Any]:
     """Copy every ``<rank>/<i>.pth`` under ``src`` into the cache at ``dest_url``.
 
     Keys hash each file's bytes, so re-running skips what was imported; the dataset keys are
     all imported entries in (rank, index) order.  A bad file stops the import with an error
-    naming it; everything committed before stays intact.  Returns a summary dict.
+    naming it; everything committed before stays intact.  ``rename``/``only_renamed``: see
+    :func:`diffsynth_entry`; ``family`` is recorded in the cache (checked against training
+    configs).  Returns a summary dict.
     """
     files = diffsynth_files(src)
-    store = open_cache(dest_url, "a", backend=backend, fingerprint=fingerprint, writer="diffsynth-import",
-                       storage_options=storage_options)
+    store = open_cache(dest_url, "a", backend=backend, fingerprint=fingerprint, family=family,
+                       writer="diffsynth-import", storage_options=storage_options)
     keys, imported = [], 0
     for path in files:
-        key = entry_key({"diffsynth_file": f"{path.parent.name}/{path.name}"}, [path], {"rename": rename})
+        key = entry_key({"diffsynth_file": f"{path.parent.name}/{path.name}"}, [path],
+                        {"rename": rename, "only_renamed": only_renamed})
         keys.append(key)
         if store.has(key):
             continue
         where = f"{path.parent.name}/{path.name}"
-        store.put(key, diffsynth_entry(load_diffsynth_file(path), where, rename, drop))
+        store.put(key, diffsynth_entry(load_diffsynth_file(path), where, rename, drop, only_renamed=only_renamed))
         imported += 1
         if imported % commit_every == 0:
             store.commit()

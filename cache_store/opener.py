@@ -51,8 +51,8 @@ def _create_header(root: Root, backend: str | None, fingerprint: str | None, fam
     if HEADER in present:
         return  # a concurrent writer created the cache since we looked
     if present:
-        hint = (" It looks like a DiffSynth-Studio cache: convert it with "
-                "cache_store.diffsynth.import_diffsynth_cache." if looks_like_diffsynth(root) else "")
+        hint = (" It looks like a DiffSynth-Studio cache: convert it with `splitflow cache import SRC DEST` "
+                "(cache_store.diffsynth.import_diffsynth_cache)." if looks_like_diffsynth(root) else "")
         raise CacheFormatError(f"cache {root.url}: folder exists and is not a splitflow cache "
                                f"(no {HEADER}); refusing to write into it.{hint}")
     backend = backend or "zarr"
@@ -103,8 +103,8 @@ def open_cache(url: str | os.PathLike, mode: str = "r", *, backend: str | None =
     root = Root(os.fspath(url), storage_options)
     header = read_header(root)
     if header is None and mode == "r":
-        hint = (" It looks like a DiffSynth-Studio cache: convert it with "
-                "cache_store.diffsynth.import_diffsynth_cache." if looks_like_diffsynth(root) else "")
+        hint = (" It looks like a DiffSynth-Studio cache: convert it with `splitflow cache import SRC DEST` "
+                "(cache_store.diffsynth.import_diffsynth_cache)." if looks_like_diffsynth(root) else "")
         raise CacheFormatError(f"cache {root.url}: no splitflow cache here (no {HEADER}); run preprocess.{hint}")
     if header is None:
         _create_header(root, backend, fingerprint, family)

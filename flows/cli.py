@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from diffsynth_core.errors import EXIT_BUG, EXIT_INPUT, classify
+from diffsynth_core.errors import EXIT_BUG, EXIT_INPUT, InputError, classify
 from stages.compat import diffsynth
 from stages.config import RunConfig
 
@@ -124,9 +124,23 @@ def cmd_deploy(args, extra) -> int:
 def cmd_cache(args, extra) -> int:
     from cache_store.report import format_inspect, inspect_cache
 
+    if args.action == "import":
+        return _cache_import(args)
     report = inspect_cache(args.path, verify=args.action == "verify")
     print(format_inspect(report))
     return 0 if args.action == "inspect" or report.get("ok", False) else EXIT_INPUT  # a bad cache is input
+
+
+def _cache_import(args) -> int:
+    from stages.compat.diffsynth_cache import import_cache
+
+    if not args.dest:
+        raise InputError("splitflow cache import SRC DEST: DEST (the new cache, e.g. out/cache.zarr) is missing")
+    summary = import_cache(args.path, args.dest, family=args.family, backend=args.backend)
+    print(f"imported {summary['imported']} of {summary['files']} DiffSynth samples ({summary['family']}, "
+          f"{summary['already_present']} already present) into {summary['cache']}; train with "
+          f"--set cache.url={summary['cache']} --set model.family={summary['family']}")
+    return 0
 
 
 VERBS = {
@@ -137,7 +151,7 @@ VERBS = {
     "resume": (cmd_resume, "show what is done, then continue the failed or stopped stages"),
     "status": (cmd_status, "report cache completeness and training progress, without running anything"),
     "deploy": (cmd_deploy, "register the stages as Prefect deployments on work pools"),
-    "cache": (cmd_cache, "inspect or verify a cache (zarr or pth)"),
+    "cache": (cmd_cache, "inspect or verify a cache (zarr or pth), or import a DiffSynth-Studio cache"),
 }
 
 
@@ -154,8 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                          help="show the traceback of a failure")
         if name == "cache":
-            sub.add_argument("action", choices=["inspect", "verify"])
-            sub.add_argument("path", help="cache URL or folder (e.g. out/cache.zarr, s3://bucket/cache.zarr)")
+            sub.add_argument("action", choices=["inspect", "verify", "import"])
+            sub.add_argument("path", help="cache URL or folder (e.g. out/cache.zarr, s3://bucket/cache.zarr); "
+                                          "for import: the DiffSynth cache folder (its <rank>/<i>.pth files)")
+            sub.add_argument("dest", nargs="?", help="import: the splitflow cache to create or extend")
+            sub.add_argument("--family", help="import: model family (default: recognised from the files)")
+            sub.add_argument("--backend", choices=["zarr", "pth"], help="import: cache backend (default zarr)")
             continue
         if name == "demo":
             sub.add_argument("--workdir", default=DEFAULT_DEMO_DIR, help="where the demo writes everything")

@@ -13,6 +13,8 @@ from diffsynth_core.data import SampleDataset
 from diffsynth_core.models import FamilySpec
 
 from .config import RunConfig
+from .datasets import ConcatSamples
+from .datasets import open_dataset as open_configured
 from diffsynth_core.errors import InputError
 
 
@@ -55,18 +57,9 @@ def model_dtype(cfg: RunConfig) -> torch.dtype:
     return getattr(torch, cfg.model.dtype)
 
 
-def open_dataset(cfg: RunConfig, spec: FamilySpec) -> SampleDataset:
-    section = cfg.dataset
-    if not section.metadata_path:
-        raise InputError("dataset.metadata_path is empty: point it at a metadata.csv/.json/.jsonl file")
-    return SampleDataset(
-        section.metadata_path, section.base_path or None,
-        data_file_keys=tuple(section.data_file_keys), height=section.height, width=section.width,
-        max_pixels=section.max_pixels, num_frames=section.num_frames, frame_multiple=spec.frame_multiple,
-        repeat=section.repeat, skip_bad_samples=section.skip_bad_samples,
-        background=section.background, allow_external_paths=section.allow_external_paths,
-        stills_only=spec.frame_multiple == 1,  # image families (base.py: "image families use 1")
-    )
+def open_dataset(cfg: RunConfig, spec: FamilySpec) -> SampleDataset | ConcatSamples:
+    """The dataset section's data: a metadata file, a caption folder or several sources."""
+    return open_configured(cfg.dataset, spec)
 
 
 def _expand(paths: list[str], key: str) -> list[Path]:

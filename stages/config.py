@@ -14,11 +14,11 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import tomli_w
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from diffsynth_core.errors import InputError
 from diffsynth_core.training.optimizers import split_name as _optimizer_name
@@ -47,6 +47,26 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def _multiple_of_16(value: int | None) -> int | None:
+    if value is not None and (value <= 0 or value % 16):
+        raise ValueError(f"must be a positive multiple of 16, got {value}")
+    return value
+
+
+class DatasetSource(_Section):
+    """One of several datasets (``dataset.sources``); unset values come from ``[dataset]``.
+
+    A source that sets ``max_pixels`` or ``height``/``width`` brings its own size rule."""
+    metadata_path: str = Field(min_length=1)  # metadata file or media folder
+    base_path: str = ""
+    repeat: int = Field(1, ge=1)
+    caption_extension: str | None = None
+    max_pixels: int | None = Field(None, gt=0)
+    height: Annotated[int | None, AfterValidator(_multiple_of_16)] = None
+    width: Annotated[int | None, AfterValidator(_multiple_of_16)] = None
+    num_frames: int | None = Field(None, ge=1)
+
+
 class DatasetSection(_Section):
     base_path: str = ""
     metadata_path: str = ""
@@ -62,6 +82,11 @@ class DatasetSection(_Section):
     background: str = "white"
     # Media paths must resolve inside base_path (no ../, absolute paths or symlinks out of it).
     allow_external_paths: bool = False
+    # Folder datasets (kohya/musubi-tuner): media files with same-name caption files.
+    caption_extension: str = ".txt"
+    # Several datasets with their own repeats and sizes; a musubi-tuner dataset TOML given as
+    # metadata_path is expanded into these (stages/compat/musubi.py, docs/datasets.md).
+    sources: list[DatasetSource] = []
 
     @field_validator("background")
     @classmethod
@@ -73,6 +98,12 @@ class DatasetSection(_Section):
         except ValueError:
             raise ValueError(f"{value!r} is not a colour: use a name (white, black), #rgb or #rrggbb") from None
         return value
+
+    @model_validator(mode="after")
+    def _one_kind_of_dataset(self):
+        if self.sources and self.metadata_path and not self.metadata_path.endswith(".toml"):
+            raise ValueError("give dataset.metadata_path or dataset.sources, not both")
+        return self
 
     @model_validator(mode="after")
     def _fixed_size_is_aligned(self):
@@ -201,6 +232,9 @@ class OffloadSection(_Section):
 
 class OutputSection(_Section):
     path: str = "./splitflow-out"
+    # LoRA files besides the final lora*.safetensors, in <path>/loras/ (docs/lora_files.md):
+    # "epoch": epoch-K (K from 0, as DiffSynth-Studio), "save": step-N at every checkpoint, "end": none.
+    export_every: Literal["epoch", "save", "end"] = "epoch"
 
 
 class RunConfig(_Section):
@@ -308,6 +342,9 @@ def build_config(data: dict[str, Any], overrides: list[str] = (), source: str = 
         if not sep:
             raise ConfigError(f"--set {item!r}: expected section.key=value")
         apply_override(data, dotted.strip(), _parse_value(raw.strip()))
+    from .compat.musubi import expand_dataset_config  # a musubi dataset TOML -> dataset.sources
+
+    data = expand_dataset_config(data)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:

@@ -50,8 +50,9 @@ def make_plan(cfg: RunConfig, part: int | None = None) -> Plan:
     encoding = {"max_sequence_length": cfg.preprocess.max_sequence_length, "dtype": cfg.model.dtype,
                 "encoders": identity}
     rows = range(len(dataset.records))
-    if part is not None:
-        rows = rows[part::cfg.preprocess.parts]
+    if part is not None:  # a row's repeats (dataset.sources) go to the part of its first occurrence
+        first_row = getattr(dataset, "first_row", lambda row: row)
+        rows = [row for row in rows if first_row(row) % cfg.preprocess.parts == part]
     keys = {row: entry_key(dataset.records[row], dataset.source_files(row),
                            _row_settings(cfg, spec, dataset, row, encoding)) for row in rows}
     return Plan(spec, dataset, keys, fingerprint_of(identity))

@@ -25,11 +25,11 @@ from diffsynth_core.training.checkpoint import CheckpointManager
 from diffsynth_core.training.device import avoid_broken_kernels
 from diffsynth_core.training.ema import swapped_weights
 from diffsynth_core.training.guards import require_finite
-from diffsynth_core.training.lora import lora_state_dict
 from diffsynth_core.training.loop import Trainer
 
 from .common import init_distributed, is_main_process, load_components, model_dtype, resolve_device
 from .config import RunConfig
+from .exports import LoraExporter, export_lora
 from .identity import METADATA_KEY, base_model, check_resume_base
 from .keys import empty_prompt_key, training_keys
 from .locks import output_lock
@@ -101,10 +101,7 @@ def load_transformer(cfg: RunConfig, spec: FamilySpec) -> torch.nn.Module:
 
 def _export(spec: FamilySpec, result, output: Path) -> dict[str, str]:
     if result.lora_config is not None:
-        weights = lora_state_dict(result.model)
-        require_finite(weights, f"LoRA export to {output}")  # a NaN LoRA is never written
-        paths = spec.export_lora(weights, result.lora_config, output)
-        return {name: str(path) for name, path in paths.items()}
+        return export_lora(spec, result.model, result.lora_config, output)
     weights = {k: v.detach().cpu().contiguous() for k, v in result.model.state_dict().items()}
     require_finite(weights, f"export to {output}")
     path = output / f"{spec.transformer_component}.safetensors"
@@ -147,7 +144,7 @@ def _train(cfg: RunConfig) -> TrainSummary:
         check_resume_base(CheckpointManager(output / "checkpoints"), base)
     transformer = load_transformer(cfg, spec)
     samples = CachedSamples(store, keys)
-    callbacks = []
+    callbacks = [LoraExporter(spec, output, cfg.output.export_every)]
     if cfg.train.validation_prompts and keys:  # render at the size of the first training sample
         meta = samples[0]["meta"]
         callbacks.append(ValidationRenderer(cfg, spec, (meta["height"], meta["width"]), meta.get("num_frames", 1)))

@@ -59,7 +59,7 @@ class SampleDataset(Dataset):
                  max_pixels: int = 1024 * 1024, num_frames: int = 1, frame_multiple: int = 1,
                  division: int = 16, repeat: int = 1, skip_bad_samples: bool = False,
                  background: str | tuple[int, int, int] = WHITE, allow_external_paths: bool = False,
-                 stills_only: bool = False):
+                 stills_only: bool = False, records: list[dict[str, Any]] | None = None):
         self.metadata_path = Path(metadata_path).absolute()
         # Relative media paths are resolved against base_path, else the metadata's folder;
         # absolute so that files (and cache keys built from them) do not depend on the cwd.
@@ -84,7 +84,8 @@ class SampleDataset(Dataset):
         if errors:  # all of them at once, before any file is read
             raise DatasetError("invalid dataset settings: " + "; ".join(errors),
                                metadata=self.metadata_path)
-        self.records: list[dict[str, Any]] = load_metadata(self.metadata_path)
+        # `records`: rows read elsewhere (a caption folder); metadata_path then names their source.
+        self.records: list[dict[str, Any]] = load_metadata(self.metadata_path) if records is None else records
         self.prompt_column, self.media_columns = find_columns(
             self.records, self.data_file_keys, self.metadata_path)
         self._skipped: dict[int, tuple[str, str]] = {}

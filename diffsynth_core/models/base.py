@@ -60,8 +60,9 @@ class FamilySpec:
     encode_pixels: Callable[[Components, torch.Tensor, str], dict[str, torch.Tensor]]
     # dit_forward(transformer, latents, sigmas, cond) -> prediction in the latents' layout
     dit_forward: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor]
-    # export_lora(peft_state_dict, lora_config, out_dir) -> {"diffusers": path, "comfyui": path}
-    export_lora: Callable[[dict[str, torch.Tensor], dict[str, Any], Path], dict[str, Path]]
+    # export_lora(peft_state_dict, lora_config, out_dir, *, stem="lora") -> {"diffusers": path,
+    # "comfyui": path, "diffsynth": path}: one file per consumer (models/lora_export.py)
+    export_lora: Callable[..., dict[str, Path]]
     # save_tiny_model(out_dir, seed) -> out_dir : a tiny random model in the diffusers layout
     save_tiny_model: Callable[[Path, int], Path]
     # Name of the diffusers pipeline class that loads the folder (validation, reload tests).
@@ -85,6 +86,9 @@ class FamilySpec:
     count_prompt_tokens: Callable[..., tuple[int, int]] | None = None
     # Extra, family-specific notes (e.g. default guidance); never read by engines.
     extras: Mapping[str, Any] = field(default_factory=dict)
+    # DiffSynth-Studio's cached pipeline inputs -> our cache entry names (``splitflow cache import``):
+    # what its ``sft:data_process`` task pickles for this family, read from its pipeline units.
+    diffsynth_cache_fields: Mapping[str, str] = field(default_factory=dict)
     # --- without weights: benchmarks and tests -------------------------------------------------
     # DiT layouts build_transformer knows: "tiny" plus released ones ("Qwen-Image", "FLUX.1-dev", ...).
     transformer_variants: tuple[str, ...] = ()

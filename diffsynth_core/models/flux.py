@@ -259,11 +259,87 @@ def dummy_inputs(config: Mapping[str, Any], batch: int = 1, height: int = 64, wi
 
 # --- LoRA export -----------------------------------------------------------------------------
 
+# DiffSynth-Studio's FLUX DiT names (diffsynth/utils/state_dict_converters/flux_dit.py,
+# FluxDiTStateDictConverterFromDiffusers): diffusers module -> DiffSynth module.
+_DIFFSYNTH_GLOBAL = {
+    "context_embedder": "context_embedder", "x_embedder": "x_embedder", "proj_out": "final_proj_out",
+    "time_text_embed.timestep_embedder.linear_1": "time_embedder.timestep_embedder.0",
+    "time_text_embed.timestep_embedder.linear_2": "time_embedder.timestep_embedder.2",
+    "time_text_embed.guidance_embedder.linear_1": "guidance_embedder.timestep_embedder.0",
+    "time_text_embed.guidance_embedder.linear_2": "guidance_embedder.timestep_embedder.2",
+    "time_text_embed.text_embedder.linear_1": "pooled_text_embedder.0",
+    "time_text_embed.text_embedder.linear_2": "pooled_text_embedder.2",
+    "norm_out.linear": "final_norm_out.linear",  # DiffSynth swaps its (scale, shift) halves
+}
+_DIFFSYNTH_DOUBLE = {
+    "norm1.linear": "norm1_a.linear", "norm1_context.linear": "norm1_b.linear", "attn.to_out.0": "attn.a_to_out",
+    "attn.to_add_out": "attn.b_to_out", "ff.net.0.proj": "ff_a.0", "ff.net.2": "ff_a.2",
+    "ff_context.net.0.proj": "ff_b.0", "ff_context.net.2": "ff_b.2",
+}
+_DIFFSYNTH_SINGLE = {"norm.linear": "norm.linear", "proj_out": "proj_out"}
+# Fused DiffSynth Linears: diffusers parts in output order, and each part's width in q-widths.
+_DIFFSYNTH_FUSED_DOUBLE = {"attn.a_to_qkv": (("attn.to_q", "attn.to_k", "attn.to_v"), (1, 1, 1)),
+                           "attn.b_to_qkv": (("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"), (1, 1, 1))}
+_DIFFSYNTH_FUSED_SINGLE = {"to_qkv_mlp": (("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"), (1, 1, 1, 4))}
+
+
+def _swap_halves(pair: lora_export.Pair) -> lora_export.Pair:
+    down, up = pair
+    half = up.shape[0] // 2
+    return down, torch.cat([up[half:], up[:half]])
+
+
+def _diffsynth_block(prefix: str, pairs: dict[str, lora_export.Pair], plain: dict, fused: dict) -> dict:
+    out = {prefix + plain[name]: pair for name, pair in pairs.items() if name in plain}
+    used = set(plain)
+    for target, (parts, widths) in fused.items():
+        members = [pairs.get(p) for p in parts]
+        used.update(parts)
+        if not any(m is not None for m in members):
+            continue
+        unit = next(m[1].shape[0] // w for m, w in zip(members, widths) if m is not None)
+        out[prefix + target] = lora_export.fuse_pairs(members, [w * unit for w in widths])
+    unknown = sorted(set(pairs) - used)
+    if unknown:
+        raise ValueError(f"no DiffSynth-Studio FLUX module for LoRA on {prefix}{unknown[0]}")
+    return out
+
+
+def _diffsynth_layout(pairs: dict[str, lora_export.Pair]) -> dict[str, lora_export.Pair]:
+    """diffusers modules -> DiffSynth's FLUX DiT, with q/k/v (and single blocks' MLP input) fused."""
+    blocks: dict[tuple[str, str], dict[str, lora_export.Pair]] = {}
+    out = {}
+    for module, pair in pairs.items():
+        if module in _DIFFSYNTH_GLOBAL:
+            out[_DIFFSYNTH_GLOBAL[module]] = _swap_halves(pair) if module == "norm_out.linear" else pair
+            continue
+        container, index, rest = (module.split(".", 2) + ["", ""])[:3]
+        if container not in ("transformer_blocks", "single_transformer_blocks") or not index.isdigit():
+            raise ValueError(f"no DiffSynth-Studio FLUX module for LoRA on {module}")
+        blocks.setdefault((container, index), {})[rest] = pair
+    for (container, index), members in blocks.items():
+        if container == "transformer_blocks":
+            out.update(_diffsynth_block(f"blocks.{index}.", members, _DIFFSYNTH_DOUBLE, _DIFFSYNTH_FUSED_DOUBLE))
+        else:
+            out.update(_diffsynth_block(f"single_blocks.{index}.", members, _DIFFSYNTH_SINGLE,
+                                        _DIFFSYNTH_FUSED_SINGLE))
+    return out
+
+
 def export_lora(peft_state_dict: dict[str, torch.Tensor], lora_config: dict[str, Any],
-                out_dir: Path) -> dict[str, Path]:
-    """diffusers file always; a ComfyUI file (``transformer.<name>`` + ``.alpha``) only when alpha != r:
-    ComfyUI maps the diffusers FLUX names onto its fused qkv itself but ignores the header's alpha."""
-    return lora_export.export_with_alpha_file(_pipeline_cls(), peft_state_dict, lora_config, out_dir, "transformer.")
+                out_dir: Path, *, stem: str = "lora") -> dict[str, Path]:
+    """diffusers, ComfyUI and DiffSynth files.  ComfyUI maps ``transformer.<diffusers name>`` onto
+    its fused BFL layers itself (comfy/lora.py, Flux branch) and reads ``.alpha``; DiffSynth's FLUX
+    DiT has its own fused layers, so its file is laid out for them."""
+    return lora_export.export_lora_files(
+        _pipeline_cls(), peft_state_dict, lora_config, out_dir, stem=stem,
+        comfyui_name=lambda module: "transformer." + module, diffsynth_layout=_diffsynth_layout)
+
+
+# diffsynth/pipelines/flux_image.py: InputImageEmbedder -> input_latents (1, 16, h, w), PromptEmbedder ->
+# prompt_emb (1, 512, 4096), pooled_prompt_emb (1, 768) and text_ids (ours are rebuilt in dit_forward).
+DIFFSYNTH_CACHE_FIELDS = {"input_latents": "latents", "prompt_emb": "prompt_embeds",
+                          "pooled_prompt_emb": "pooled_prompt_embeds"}
 
 
 SPEC = FamilySpec(
@@ -299,6 +375,7 @@ SPEC = FamilySpec(
     default_loss_weighting="diffsynth",
     encoder_variants=tuple(ENCODER_CONFIGS),
     build_encoders=build_encoders,
+    diffsynth_cache_fields=DIFFSYNTH_CACHE_FIELDS,
     extras={"latent_channels": 16, "vae_scale_factor": VAE_SCALE, "pixel_multiple": VAE_SCALE * PATCH,
             "default_max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH, "train_guidance": TRAIN_GUIDANCE},
     released_formats=flux_released.FORMATS,

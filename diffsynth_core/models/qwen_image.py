@@ -264,10 +264,19 @@ def dummy_inputs(config: Mapping[str, Any], batch: int = 1, height: int = 64, wi
 # --- LoRA export -----------------------------------------------------------------------------
 
 def export_lora(peft_state_dict: dict[str, torch.Tensor], lora_config: dict[str, Any],
-                out_dir: Path) -> dict[str, Path]:
-    """diffusers file always; a ComfyUI file (``diffusion_model.<name>`` + ``.alpha``) only when alpha != r,
-    since ComfyUI already reads the diffusers names for Qwen-Image but ignores the header's alpha."""
-    return lora_export.export_with_alpha_file(_pipeline_cls(), peft_state_dict, lora_config, out_dir, "diffusion_model.")
+                out_dir: Path, *, stem: str = "lora") -> dict[str, Path]:
+    """diffusers, ComfyUI and DiffSynth files.  ComfyUI's and DiffSynth's Qwen-Image DiTs use the
+    diffusers module names (comfy/ldm/qwen_image/model.py, diffsynth/models/qwen_image_dit.py),
+    so ComfyUI gets ``diffusion_model.<name>`` + ``.alpha`` and DiffSynth the bare names."""
+    return lora_export.export_lora_files(
+        _pipeline_cls(), peft_state_dict, lora_config, out_dir, stem=stem,
+        comfyui_name=lambda module: "diffusion_model." + module, diffsynth_layout=lora_export.renamed(str))
+
+
+# diffsynth/pipelines/qwen_image.py: InputImageEmbedder -> input_latents (1, 16, h, w), PromptEmbedder ->
+# prompt_emb (1, L, 3584) and prompt_emb_mask (1, L).
+DIFFSYNTH_CACHE_FIELDS = {"input_latents": "latents", "prompt_emb": "prompt_embeds",
+                          "prompt_emb_mask": "prompt_embeds_mask"}
 
 
 SPEC = FamilySpec(
@@ -301,6 +310,7 @@ SPEC = FamilySpec(
     default_loss_weighting="diffsynth",
     encoder_variants=tuple(ENCODER_CONFIGS),
     build_encoders=build_encoders,
+    diffsynth_cache_fields=DIFFSYNTH_CACHE_FIELDS,
     extras={"latent_channels": 16, "vae_scale_factor": VAE_SCALE, "pixel_multiple": VAE_SCALE * PATCH,
             "default_max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH},
     released_formats=qwen_image_released.FORMATS,  # DiffSynth's Qwen-Image module names are diffusers'

@@ -281,12 +281,18 @@ def dummy_inputs(config: Mapping[str, Any], batch: int = 1, height: int = 64, wi
 # --- LoRA export -----------------------------------------------------------------------------
 
 def export_lora(peft_state_dict: dict[str, torch.Tensor], lora_config: dict[str, Any],
-                out_dir: Path) -> dict[str, Path]:
-    """diffusers file plus, always, a ComfyUI file with native keys and ``.alpha`` tensors."""
-    paths = {"diffusers": lora_export.save_diffusers_lora(_pipeline_cls(), peft_state_dict, lora_config, out_dir)}
-    sd = lora_export.comfy_state_dict(peft_state_dict, lora_config, lambda m: "diffusion_model." + native_name(m))
-    paths["comfyui"] = lora_export.save_comfy_lora(sd, lora_config, out_dir)
-    return paths
+                out_dir: Path, *, stem: str = "lora") -> dict[str, Path]:
+    """diffusers, ComfyUI and DiffSynth files.  ComfyUI (comfy/ldm/wan/model.py) and DiffSynth
+    (diffsynth/models/wan_video_dit.py) both use Wan's native names (``blocks.0.self_attn.q``)."""
+    return lora_export.export_lora_files(
+        _pipeline_cls(), peft_state_dict, lora_config, out_dir, stem=stem,
+        comfyui_name=lambda module: "diffusion_model." + native_name(module),
+        diffsynth_layout=lora_export.renamed(native_name))
+
+
+# diffsynth/pipelines/wan_video.py: InputVideoEmbedder -> input_latents (1, 16, f, h, w), PromptEmbedder ->
+# context (1, 512, 4096), zero past the prompt's length like ours.
+DIFFSYNTH_CACHE_FIELDS = {"input_latents": "latents", "context": "prompt_embeds"}
 
 
 SPEC = FamilySpec(
@@ -320,6 +326,7 @@ SPEC = FamilySpec(
     default_loss_weighting="diffsynth",
     encoder_variants=tuple(ENCODER_CONFIGS),
     build_encoders=build_encoders,
+    diffsynth_cache_fields=DIFFSYNTH_CACHE_FIELDS,
     extras={"latent_channels": 16, "vae_scale_factor": VAE_SCALE, "pixel_multiple": VAE_SCALE * PATCH,
             "default_max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH, "num_train_timesteps": NUM_TRAIN_TIMESTEPS},
     released_formats=wan_released.FORMATS,

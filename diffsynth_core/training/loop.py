@@ -88,7 +88,9 @@ class Trainer:
         self.train, self.offload_opts = train, offload
         self.output_dir, self.device = Path(output_dir), torch.device(device)
         self.repeat, self.progress = repeat, progress
-        self.callbacks = list(callbacks)  # called on rank 0 after each optimizer step: fn(step, model)
+        # Called on rank 0 after each optimizer step: fn(step, model).  A callback may also define
+        # on_checkpoint(step, model, lora_config) and on_epoch_end(epoch, step, model, lora_config).
+        self.callbacks = list(callbacks)
         self.checkpoint_metadata = dict(checkpoint_metadata or {})  # saved with every checkpoint (base model)
         self.rank, self.world_size = _world()
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", keep=train.keep_checkpoints)
@@ -110,6 +112,7 @@ class Trainer:
         metrics = self._open_metrics(step)
         losses: list[float] = []
         bar = self._progress_bar(step, total)
+        epochs_done = _epochs_completed(sampler)
         while step < total:
             started = time.perf_counter()
             result = self.optimizer_step(prepared, sampler, step + 1)
@@ -120,6 +123,10 @@ class Trainer:
             self._report(metrics, bar, step, sampler, prepared, result, time.perf_counter() - started)
             if step == total or (self.train.save_steps and step % self.train.save_steps == 0):
                 self._save(prepared, sampler, step, ema)
+                self._notify("on_checkpoint", step, prepared.model, prepared.lora_config)
+            for epoch in range(epochs_done, _epochs_completed(sampler)):
+                self._notify("on_epoch_end", epoch, step, prepared.model, prepared.lora_config)
+            epochs_done = _epochs_completed(sampler)
             if self.rank == 0:
                 for callback in self.callbacks:
                     callback(step, prepared.model)
@@ -281,6 +288,12 @@ class Trainer:
             bar.update(1)
             bar.set_postfix(loss=f"{result.loss:.4f}")
 
+    def _notify(self, hook: str, *args) -> None:
+        if self.rank == 0:
+            for callback in self.callbacks:
+                if hasattr(callback, hook):
+                    getattr(callback, hook)(*args)
+
     def _open_metrics(self, step: int) -> MetricsLog | None:
         if self.rank != 0:
             return None
@@ -293,6 +306,11 @@ class Trainer:
         from tqdm.auto import tqdm
 
         return tqdm(total=total, initial=step, desc="train", unit="step")
+
+
+def _epochs_completed(sampler: BucketSampler) -> int:
+    """Epochs whose every batch has been drawn (the sampler moves to the next epoch lazily)."""
+    return sampler.state.epoch + (sampler.state.position >= sampler.batches_per_epoch)
 
 
 def _all_reduce_mean(params: list[nn.Parameter]) -> None:

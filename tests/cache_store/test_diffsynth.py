@@ -54,7 +54,7 @@ def test_import_copies_tensors_and_values(diffsynth_dir, tmp_path):
     assert keys == summary["keys"] and len(keys) == 5  # (rank, index) order
     entry = store.get(keys[3])  # rank 1, file 0.pth -> sample 10
     shared, posi, _ = diffsynth_sample(10)
-    assert torch.equal(entry["latents"], shared["input_latents"][0])
+    assert torch.equal(entry["latents"], shared["input_latents"][0][:, None])  # frame axis added
     assert torch.equal(entry["prompt_embeds"], posi["prompt_emb"][0])
     assert entry["prompt_embeds_mask"].dtype == torch.int64 and entry["prompt_embeds"].dtype == torch.bfloat16
     assert "noise" not in entry

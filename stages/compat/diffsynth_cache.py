@@ -1,0 +1,39 @@
+"""``splitflow cache import``: a DiffSynth-Studio split-training cache becomes a splitflow cache.
+
+DiffSynth's ``sft:data_process`` task pickles each sample's pipeline inputs as
+``<output_path>/<rank>/<i>.pth``; which inputs a family's stage 2 reads, and under which
+names, is the family's ``diffsynth_cache_fields`` (read from DiffSynth's pipeline units).  The
+family is recognised from the first file's tensors unless given.  The copy itself (allow-listed
+unpickling, content keys, resumable) is ``cache_store.diffsynth``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cache_store.diffsynth import diffsynth_files, import_diffsynth_cache, load_diffsynth_file, tensor_names
+from diffsynth_core.errors import InputError
+from diffsynth_core.models import get_family, known_families
+
+
+def detect_family(src: str) -> str:
+    """The one family whose DiffSynth inputs are all among the first cached sample's tensors."""
+    first = diffsynth_files(src)[0]
+    names = tensor_names(load_diffsynth_file(first), str(first))
+    matches = [f for f in known_families() if set(get_family(f).diffsynth_cache_fields) <= names]
+    if len(matches) != 1:
+        raise InputError(f"{first}: cannot tell the model family from its tensors {sorted(names)} "
+                         f"(matches {matches or 'none'}); pass --family ({', '.join(known_families())})")
+    return matches[0]
+
+
+def import_cache(src: str, dest: str, family: str | None = None, backend: str | None = None) -> dict[str, Any]:
+    """Import ``src`` into the cache at ``dest`` for ``family`` (detected when None)."""
+    if family is not None and family not in known_families():
+        raise InputError(f"--family {family!r}: unknown; known families: {', '.join(known_families())}")
+    family = family or detect_family(src)
+    fields = dict(get_family(family).diffsynth_cache_fields)
+    summary = import_diffsynth_cache(src, dest, backend=backend, rename=fields, only_renamed=True,
+                                     fingerprint=f"diffsynth-import:{family}", family=family)
+    summary["family"] = family
+    return summary

@@ -1,0 +1,157 @@
+"""musubi-tuner datasets: its dataset TOML and its metadata JSONL keys, as splitflow datasets.
+
+Names and defaults follow musubi-tuner's src/musubi_tuner/dataset/config_utils.py
+(``BaseDatasetParams``, ``ImageDatasetParams``, ``VideoDatasetParams``, ``ConfigSanitizer``):
+``[general]`` holds defaults for every ``[[datasets]]`` entry, which are image datasets
+(``image_directory`` or ``image_jsonl_file``) or video datasets (``video_directory`` or
+``video_jsonl_file``).  Each entry becomes one ``dataset.sources`` item:
+
+* ``num_repeats`` -> ``repeat``; ``caption_extension`` -> ``caption_extension``;
+* ``resolution = [W, H]`` (default 960x544) with ``enable_bucket = true`` -> ``max_pixels = W*H``
+  (aspect kept, area-based), with ``enable_bucket = false`` (musubi's default) -> a fixed
+  ``height = H``, ``width = W``;
+* ``target_frames`` (``frame_extraction = "head"``): one source per frame count, each taking the
+  first N frames, as musubi makes one item per count;
+* ``batch_size`` -> ``train.batch_size`` (unless the config sets it; one value for all entries).
+
+Relative paths are resolved against the working directory, as musubi opens them, and stored
+absolute.  Keys with no splitflow meaning are refused, or accepted with one notice line where
+they cannot change what trains (see docs/datasets.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from diffsynth_core.errors import InputError
+
+log = logging.getLogger(__name__)
+
+# musubi JSONL rows: {"image_path": ..., "caption": ...} / {"video_path": ..., "caption": ...}
+MEDIA_KEY_ALIASES = {"image_path": "image", "video_path": "video"}
+
+DEFAULTS = {"resolution": (960, 544), "enable_bucket": False, "bucket_no_upscale": False, "caption_extension": None,
+            "batch_size": 1, "num_repeats": 1}  # config_utils.py BaseDatasetParams
+GENERAL_KEYS = set(DEFAULTS)  # ConfigSanitizer.DATASET_ASCENDABLE_SCHEMA
+IMAGE_KEYS = {"image_directory", "image_jsonl_file", "cache_directory", "control_directory", "multiple_target",
+              "fp_latent_window_size", "fp_1f_clean_indices", "fp_1f_target_index", "fp_1f_no_post",
+              "no_resize_control", "control_resolution"}
+VIDEO_KEYS = {"video_directory", "video_jsonl_file", "control_directory", "target_frames", "frame_extraction",
+              "frame_stride", "frame_sample", "max_frames", "cache_directory", "source_fps", "fp_latent_window_size"}
+# Accepted, cannot change what splitflow trains: one notice line each.
+NO_OP = {"cache_directory": "splitflow keeps its own cache (cache.url)",
+         "bucket_no_upscale": "splitflow never upscales in area mode (enable_bucket = true)",
+         "fp_latent_window_size": "FramePack only", "no_resize_control": "control images are not supported",
+         "control_resolution": "control images are not supported",
+         "frame_stride": "only used by frame_extraction = slide", "frame_sample": "only used by uniform",
+         "max_frames": "only used by frame_extraction = full"}
+
+
+def with_musubi_keys(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows with musubi's ``image_path``/``video_path`` also under ``image``/``video``."""
+    out = []
+    for row in records:
+        extra = {ours: row[theirs] for theirs, ours in MEDIA_KEY_ALIASES.items() if theirs in row and ours not in row}
+        out.append({**row, **extra} if extra else row)
+    return out
+
+
+def _fail(path: Path, where: str, message: str) -> InputError:
+    return InputError(f"musubi dataset config {path}: {where}: {message}")
+
+
+def _absolute(value: Any, path: Path, where: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise _fail(path, where, f"expected a path, got {value!r}")
+    return str(Path(value).expanduser().absolute())
+
+
+def _size(entry: dict[str, Any], path: Path, where: str) -> dict[str, int]:
+    resolution = entry["resolution"]
+    width, height = (resolution, resolution) if isinstance(resolution, int) else tuple(resolution)
+    if not all(isinstance(v, int) and v > 0 for v in (width, height)):
+        raise _fail(path, f"{where}.resolution", f"expected [width, height], got {resolution!r}")
+    if entry["enable_bucket"]:
+        return {"max_pixels": width * height}
+    return {"height": height, "width": width}
+
+
+def _check_keys(entry: dict[str, Any], allowed: set[str], path: Path, where: str) -> None:
+    unknown = sorted(set(entry) - allowed)
+    if unknown:
+        raise _fail(path, where, f"unknown key {unknown[0]!r}")
+    refused = {"control_directory": "control images", "multiple_target": "multiple targets (Qwen-Image-Layered)",
+               "fp_1f_clean_indices": "FramePack one-frame training", "fp_1f_target_index": "FramePack one-frame",
+               "fp_1f_no_post": "FramePack one-frame", "source_fps": "frame-rate conversion"}
+    for key, what in refused.items():
+        if entry.get(key) not in (None, False):
+            raise _fail(path, f"{where}.{key}", f"{what} are not supported by splitflow")
+    if entry.get("frame_extraction", "head") != "head":
+        raise _fail(path, f"{where}.frame_extraction", f"{entry['frame_extraction']!r} is not supported "
+                                                      "(only \"head\": the first N frames)")
+    for key in sorted(set(entry) & set(NO_OP)):
+        log.warning("musubi dataset config %s: %s.%s has no effect (%s)", path, where, key, NO_OP[key])
+
+
+def _sources(own: dict[str, Any], general: dict[str, Any], path: Path, where: str) -> list[dict[str, Any]]:
+    media = [k for k in ("image_directory", "image_jsonl_file", "video_directory", "video_jsonl_file") if k in own]
+    if len(media) != 1:
+        raise _fail(path, where, "give exactly one of image_directory, image_jsonl_file, video_directory, "
+                                 f"video_jsonl_file (found {media or 'none'})")
+    video = media[0].startswith("video")
+    _check_keys(own, GENERAL_KEYS | (VIDEO_KEYS if video else IMAGE_KEYS), path, where)
+    entry = {**DEFAULTS, **general, **own}  # config_utils.py generate_params_by_fallbacks
+    source = {"metadata_path": _absolute(entry[media[0]], path, f"{where}.{media[0]}"),
+              "repeat": entry["num_repeats"], **_size(entry, path, where)}
+    if entry["caption_extension"] is not None:
+        source["caption_extension"] = entry["caption_extension"]
+    if not video:
+        return [source]
+    frames = entry.get("target_frames", [1])  # VideoDatasetParams.target_frames
+    return [{**source, "num_frames": n} for n in dict.fromkeys(frames)]
+
+
+def read_dataset_config(path: str | Path) -> tuple[list[dict[str, Any]], int]:
+    """``dataset.sources`` items and the batch size of a musubi dataset TOML."""
+    path = Path(path)
+    try:
+        config = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"musubi dataset config {path} does not exist") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise InputError(f"musubi dataset config {path}: cannot parse: {err}") from None
+    unknown = sorted(set(config) - {"general", "datasets"})
+    if unknown:
+        raise _fail(path, unknown[0], "unknown section (expected [general] and [[datasets]])")
+    general = config.get("general", {})
+    _check_keys(general, GENERAL_KEYS, path, "general")
+    datasets = config.get("datasets", [])
+    if not datasets:
+        raise _fail(path, "datasets", "no [[datasets]] entries")
+    sources, batch_sizes = [], set()
+    for i, entry in enumerate(datasets):
+        if not isinstance(entry, dict):
+            raise _fail(path, f"datasets[{i}]", "expected a [[datasets]] table")
+        sources += _sources(entry, general, path, f"datasets[{i}]")
+        batch_sizes.add({**DEFAULTS, **general, **entry}["batch_size"])
+    if len(batch_sizes) != 1:
+        raise _fail(path, "batch_size", f"differs between datasets ({sorted(batch_sizes)}); splitflow trains "
+                                        "with one train.batch_size")
+    return sources, batch_sizes.pop()
+
+
+def expand_dataset_config(data: dict[str, Any]) -> dict[str, Any]:
+    """Raw config data with a musubi TOML in ``dataset.metadata_path`` expanded into
+    ``dataset.sources`` (when it has none yet: a saved, resolved config keeps its sources)."""
+    dataset = data.get("dataset") or {}
+    metadata = dataset.get("metadata_path")
+    if not isinstance(metadata, str) or not metadata.endswith(".toml") or dataset.get("sources"):
+        return data
+    sources, batch_size = read_dataset_config(metadata)
+    data["dataset"] = {**dataset, "sources": sources}
+    train = data.setdefault("train", {})
+    train.setdefault("batch_size", batch_size)
+    return data

@@ -1,0 +1,62 @@
+"""The training data a config names: a metadata file, a caption folder, or several sources.
+
+``dataset.metadata_path`` may be a CSV/JSON/JSONL file (musubi-tuner's ``image_path``/
+``video_path`` keys accepted), or a folder of media with same-name caption files (kohya /
+musubi-tuner, ``dataset.caption_extension``; ``<repeats>_<name>`` subfolders repeat).
+``dataset.sources`` lists several such datasets, each with its own repeats and size rule (a
+musubi dataset TOML is expanded into them when the config is read); they are trained as one,
+each row repeated its source's number of times (docs/datasets.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from diffsynth_core.data import SampleDataset, load_metadata
+from diffsynth_core.data.sources import ConcatSamples
+from diffsynth_core.errors import InputError
+from diffsynth_core.models import FamilySpec
+
+from .compat.kohya import folder_sources
+from .compat.musubi import with_musubi_keys
+from .config import DatasetSection, DatasetSource
+
+
+def open_dataset(section: DatasetSection, spec: FamilySpec) -> SampleDataset | ConcatSamples:
+    if section.sources:
+        sources = section.sources
+    elif section.metadata_path:
+        sources = [DatasetSource(metadata_path=section.metadata_path, base_path=section.base_path)]
+    else:
+        raise InputError("dataset.metadata_path is empty: point it at a metadata.csv/.json/.jsonl file, a folder "
+                         "of images with captions, or a musubi-tuner dataset .toml")
+    # dataset.repeat repeats everything, on top of each source's (and kohya folder's) own repeats.
+    parts = [(dataset, repeat * section.repeat)
+             for source in sources for dataset, repeat in _open_source(section, source, spec)]
+    if len(parts) == 1 and parts[0][1] == 1:
+        return parts[0][0]
+    return ConcatSamples(parts)
+
+
+def _size_rule(section: DatasetSection, source: DatasetSource) -> dict:
+    if source.height is not None or source.width is not None:
+        return {"height": source.height, "width": source.width, "max_pixels": section.max_pixels}
+    if source.max_pixels is not None:
+        return {"height": None, "width": None, "max_pixels": source.max_pixels}
+    return {"height": section.height, "width": section.width, "max_pixels": section.max_pixels}
+
+
+def _open_source(section: DatasetSection, source: DatasetSource, spec: FamilySpec) -> list[tuple[SampleDataset, int]]:
+    options = dict(data_file_keys=tuple(section.data_file_keys), frame_multiple=spec.frame_multiple,
+                   num_frames=source.num_frames or section.num_frames, skip_bad_samples=section.skip_bad_samples,
+                   background=section.background, allow_external_paths=section.allow_external_paths,
+                   stills_only=spec.frame_multiple == 1,  # image families (base.py: "image families use 1")
+                   **_size_rule(section, source))
+    path = Path(source.metadata_path)
+    if path.is_dir():
+        caption_extension = source.caption_extension or section.caption_extension
+        return [(SampleDataset(f.folder, f.folder, records=f.records, **options), f.repeat * source.repeat)
+                for f in folder_sources(path, caption_extension)]
+    records = with_musubi_keys(load_metadata(path))
+    base_path = source.base_path or section.base_path or None
+    return [(SampleDataset(path, base_path, records=records, **options), source.repeat)]
