@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from diffsynth_core.models import FamilySpec, get_family
 from diffsynth_core.errors import InputError
 from diffsynth_core.training.checkpoint import CheckpointManager
-from diffsynth_core.training.device import avoid_broken_kernels
+from diffsynth_core.training.device import avoid_broken_kernels, configure_determinism
 from diffsynth_core.training.ema import swapped_weights
 from diffsynth_core.training.lora import lora_state_dict
 from diffsynth_core.training.loop import Trainer
@@ -99,7 +99,7 @@ def load_transformer(cfg: RunConfig, spec: FamilySpec) -> torch.nn.Module:
 
 
 def _export(spec: FamilySpec, result, output: Path) -> dict[str, str]:
-    if result.lora_config is not None:
+    if result.lora_config is not None:  # under offload: read while the engine is still attached
         paths = spec.export_lora(lora_state_dict(result.model), result.lora_config, output)
         return {name: str(path) for name, path in paths.items()}
     weights = {k: v.detach().cpu().contiguous() for k, v in result.model.state_dict().items()}
@@ -133,6 +133,7 @@ def _train(cfg: RunConfig) -> TrainSummary:
     spec = get_family(cfg.model.family)
     store, keys = training_keys(cfg)  # checked against the model, derived from the config
     empty_prompt = load_empty_prompt(cfg, store)  # before any model loads: a missing entry fails fast
+    configure_determinism(cfg.train.deterministic, cfg.train.seed)
     device = init_distributed(avoid_broken_kernels(resolve_device(cfg.train.device)))
     output = cfg.output_dir
     base = None
@@ -151,9 +152,15 @@ def _train(cfg: RunConfig) -> TrainSummary:
                       device=device, repeat=cfg.dataset.repeat, callbacks=callbacks,
                       checkpoint_metadata={METADATA_KEY: base} if base else None, empty_prompt=empty_prompt)
     result = trainer.fit()
+    if result.offload is not None and result.lora_config is None:
+        result.offload.detach()  # full fine-tuning exports every weight: back in place, no second copy
     exports = _export(spec, result, output) if trainer.rank == 0 else {}
     if trainer.rank == 0 and result.ema is not None:
         exports.update(_export_ema(spec, result, output))
+    if result.offload is not None and result.lora_config is not None:
+        # The adapters were read with the engine attached: release the frozen base, never restore it
+        # (restoring would hold a second host copy of the DiT at the very end of the run).
+        result.offload.detach(restore_frozen=False)
     summary = TrainSummary(str(output), result.step, result.resumed_from,
                            result.losses[-1] if result.losses else None, exports, time.perf_counter() - started)
     log.info(summary.describe())

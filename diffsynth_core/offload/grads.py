@@ -45,6 +45,7 @@ class HostGradSink:
         self.unit_of: dict[int, int] = {}
         self.unit_size: dict[int, int] = {}
         self.landing: dict[int, dict[int, object]] = {}  # unit -> id(p) -> copy event
+        self.queued: set[int] = set()  # parameters whose step is queued since the last finish()
 
     def start_steps(self, stepper, unit_of: dict[int, int]) -> None:
         """From now on each unit's optimizer step is queued once its gradients are (being) copied."""
@@ -87,9 +88,10 @@ class HostGradSink:
     def _copy_and_step(self, p: nn.Parameter, g: torch.Tensor) -> None:
         unit = self.unit_of[id(p)]
         landing = self.landing.setdefault(unit, {})
-        if id(p) in landing:
+        if id(p) in self.queued:
             raise RuntimeError("a second backward before optimizer.step(): gradient accumulation needs the "
                                "optimizer bound with overlap_backward=False")
+        self.queued.add(id(p))
         landing[id(p)] = self._copy(self.acc[id(p)], g)
         self.d2h_bytes += g.numel() * g.element_size()
         if len(landing) == self.unit_size[unit]:
@@ -122,6 +124,7 @@ class HostGradSink:
         steps started as gradients land, every unit that got gradients has its step queued).
         Parameters must already point at their host masters (the manager evicts first)."""
         self.produced = False
+        self.queued.clear()
         for unit in list(self.landing):  # units some of whose parameters got no gradient
             self._submit(unit)
         for key in list(self.pending):

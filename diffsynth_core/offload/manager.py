@@ -99,14 +99,15 @@ class OffloadTrainingManager:
         self.plan: Plan = build_plan(model, self.device, granularity, block_container_names,
                                      enable_optimizer_cpu_offload, storage_dtype, trainable_dtype, split)
         budget = auto_budget(self.device) if vram_budget_gb == "auto" else int(float(vram_budget_gb) * GIB)
+        n_slots = min(prefetch + 1, len(self.plan.units))
+        # Checked before anything moves: a budget that cannot even hold the slots fails here.
+        self.budget = BudgetTracker(budget, self.device, self.plan.fixed_bytes(n_slots)) if budget > 0 else None
         self.plan.move_resident()
         self.arena = (host_arena_factory or HostArena)(self.plan.arena_bytes)
         self.plan.fill_arena(self.arena)
         if self.device.type == "cuda" if pin_memory is None else pin_memory:
             self.arena.pin()
-        n_slots = min(prefetch + 1, len(self.plan.units))
         self.streamer = Streamer(self.plan.units, self.arena, self.device, n_slots, poison_evicted)
-        self.budget = BudgetTracker(budget, self.device, self._fixed_bytes()) if budget > 0 else None
         self._setup_schedule()
         self.grad_sink = (HostGradSink(self.plan.host_trainable, self.device, self.arena.pinned)
                           if self.plan.host_trainable else None)
@@ -147,11 +148,6 @@ class OffloadTrainingManager:
         self._in_step = False
         self._uses: list[int] | None = [] if self.budget is not None else None  # recorded in step 1
         self._step_bytes_start = 0
-
-    def _fixed_bytes(self) -> int:
-        slots = sum(s.buf.numel() for s in self.streamer.slots)
-        stage = self.streamer.stage.numel() if self.streamer.stage is not None else 0
-        return self.plan.resident_bytes() + slots + stage
 
     def _make_averager(self, data_parallel: bool | None) -> GradAverager | None:
         multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -365,7 +361,7 @@ class OffloadTrainingManager:
                 "h2d_bytes": self.streamer.bytes if self.streamer else 0,
                 "stalls": self.streamer.stalls if self.streamer else 0,
                 "d2h_grad_bytes": self.grad_sink.d2h_bytes if self.grad_sink else 0,
-                "fixed_device_bytes": self._fixed_bytes() if self.streamer else None,
+                "fixed_device_bytes": self.plan.fixed_bytes(len(self.streamer.slots)) if self.streamer else None,
                 "budget_bytes": budget.budget if budget else None,
                 "planned_peak_bytes": budget.planned_peak if budget else None,
                 "peak_bytes": budget.peak if budget else None, **self.stats}

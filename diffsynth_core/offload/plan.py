@@ -38,11 +38,19 @@ class Plan:
             buf = mod._buffers[name]
             mod._buffers[name] = moved.setdefault(id(buf), buf.to(self.device))
 
-    def resident_bytes(self) -> int:
-        """Device bytes of everything outside the units (what attach moved there for good)."""
-        seen = {id(p): p for p, _ in self.resident_params}
-        seen.update({id(m._buffers[n]): m._buffers[n] for m, n, _ in self.buffers})
-        return sum(t.numel() * t.element_size() for t in seen.values())
+    def fixed_bytes(self, n_slots: int) -> int:
+        """Device bytes the engine places itself: everything outside the units (trainable weights
+        in ``trainable_dtype``), the streaming slots and the widening stage."""
+        resident = 0
+        for p, _ in self.resident_params:
+            size = p.element_size() if not (p.requires_grad and self.trainable_dtype) else \
+                torch.empty((), dtype=self.trainable_dtype).element_size()
+            resident += p.numel() * size
+        buffers = {id(m._buffers[n]): m._buffers[n] for m, n, _ in self.buffers}
+        resident += sum(t.numel() * t.element_size() for t in buffers.values())
+        slots = n_slots * max((u.dev_bytes for u in self.units), default=0)
+        stage = max((u.host_bytes for u in self.units if u.casts), default=0)
+        return resident + slots + stage
 
     # --- host copies ---------------------------------------------------------------------------
     def fill_arena(self, arena, copy: bool = True) -> None:
