@@ -8,6 +8,7 @@ lock names the holder); checkpoints record the base model they were trained on.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -152,6 +153,8 @@ def _train(cfg: RunConfig) -> TrainSummary:
                       device=device, repeat=cfg.dataset.repeat, callbacks=callbacks,
                       checkpoint_metadata={METADATA_KEY: base} if base else None, empty_prompt=empty_prompt)
     result = trainer.fit()
+    if result.offload is not None and trainer.rank == 0:  # planned vs measured bytes per step, GPU peak
+        (output / "offload.json").write_text(json.dumps(result.offload.report(), indent=1))
     if result.offload is not None and result.lora_config is None:
         result.offload.detach()  # full fine-tuning exports every weight: back in place, no second copy
     exports = _export(spec, result, output) if trainer.rank == 0 else {}

@@ -162,12 +162,10 @@ class OffloadTrainingManager:
         averager.broadcast_params()  # every rank starts from rank 0's trainable weights
         return averager
 
-    def _register_hooks(self) -> list:
-        handles = []
-        for unit in self.plan.units:
-            handles.append(unit.module.register_forward_pre_hook(self._pre_hook(unit)))
-            handles.append(unit.module.register_forward_hook(self._post_hook(unit), with_kwargs=True))
-        return handles
+    def _register_hooks(self) -> dict[int, list]:
+        return {unit.index: [unit.module.register_forward_pre_hook(self._pre_hook(unit)),
+                             unit.module.register_forward_hook(self._post_hook(unit), with_kwargs=True)]
+                for unit in self.plan.units}
 
     def _pre_hook(self, unit):
         def hook(module, args):
@@ -245,6 +243,9 @@ class OffloadTrainingManager:
         self.streamer.rehome([i for i in dict.fromkeys(self._uses) if i in self._streamed_ids])
         self._order, self._order_seen = [], set()
         self.budget.planned_peak += sum(u.dev_bytes for u in plan.resident)
+        for unit in plan.resident:  # resident units need no hooks: their steps cost no Python at all
+            for h in self._handles.pop(unit.index):
+                h.remove()
         self.stats["planned_h2d_bytes_per_step"] = plan.planned_bytes
         self._uses = None
 
@@ -317,7 +318,8 @@ class OffloadTrainingManager:
         if self.stepper is not None:
             self.stepper.close()
         self.streamer.evict_all()
-        for h in self._handles + self._optimizer_hooks + ([self._order_hook] if self._order_hook else []):
+        handles = [h for hs in self._handles.values() for h in hs]
+        for h in handles + self._optimizer_hooks + ([self._order_hook] if self._order_hook else []):
             h.remove()
         if self.grad_sink is not None:
             self.grad_sink.remove()
@@ -364,7 +366,9 @@ class OffloadTrainingManager:
                 "fixed_device_bytes": self.plan.fixed_bytes(len(self.streamer.slots)) if self.streamer else None,
                 "budget_bytes": budget.budget if budget else None,
                 "planned_peak_bytes": budget.planned_peak if budget else None,
-                "peak_bytes": budget.peak if budget else None, **self.stats}
+                "peak_bytes": budget.peak if budget else None,
+                "gpu_peak_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
+                **self.stats}
 
     def _check_attached(self) -> None:
         if self.streamer is None:
