@@ -7,9 +7,12 @@ the device gradient, so gradients never pile up on the device.  ``finish()`` (fr
 waits for those copies and hands the host gradients to ``param.grad``, adding to what earlier
 micro-steps accumulated: gradient accumulation works like it does without offload.
 
-With ``start_steps(stepper, unit_of)`` (the optimizer bound with ``overlap_backward``) the host
-gradients never reach ``param.grad``: as soon as the last gradient of a unit is queued, the unit's
-optimizer step is queued behind those copies (``HostStepper``), while backward goes on.
+With ``start_steps(stepper, unit_of, multi_use)`` (the optimizer bound with ``overlap_backward``)
+the host gradients never reach ``param.grad``: as soon as the last gradient of a unit is queued,
+the unit's optimizer step is queued behind those copies (``HostStepper``), while backward goes on.
+A unit that ran several times in the forward (``multi_use``) may get its gradient in several
+pieces (on CUDA each reload makes autograd start a new accumulator), so its step waits for
+``finish()``, which adds the pieces up first.
 """
 
 from __future__ import annotations
@@ -42,14 +45,15 @@ class HostGradSink:
         self.d2h_bytes = 0
         self.produced = False  # a backward produced host gradients that finish() has not landed
         self.stepper = None  # HostStepper: steps start as gradients land
+        self.multi_use = None  # unit -> ran more than once in this forward
         self.unit_of: dict[int, int] = {}
         self.unit_size: dict[int, int] = {}
         self.landing: dict[int, dict[int, object]] = {}  # unit -> id(p) -> copy event
         self.queued: set[int] = set()  # parameters whose step is queued since the last finish()
 
-    def start_steps(self, stepper, unit_of: dict[int, int]) -> None:
+    def start_steps(self, stepper, unit_of: dict[int, int], multi_use) -> None:
         """From now on each unit's optimizer step is queued once its gradients are (being) copied."""
-        self.stepper, self.unit_of = stepper, unit_of
+        self.stepper, self.unit_of, self.multi_use = stepper, unit_of, multi_use
         self.unit_size = {}
         for unit in unit_of.values():
             self.unit_size[unit] = self.unit_size.get(unit, 0) + 1
@@ -64,7 +68,10 @@ class HostGradSink:
         g = p.grad
         p.grad = None
         self.produced = True
-        if self.stepper is not None and id(p) in self.unit_of:
+        if id(p) in self.queued:  # its step is already queued: this is a second backward
+            raise RuntimeError("a second backward before optimizer.step(): gradient accumulation needs the "
+                               "optimizer bound with overlap_backward=False")
+        if self.stepper is not None and id(p) in self.unit_of and not self.multi_use(self.unit_of[id(p)]):
             self._copy_and_step(p, g)
             return
         if id(p) in self.pending:  # a second backward before after_backward: fold the first one in
@@ -88,9 +95,6 @@ class HostGradSink:
     def _copy_and_step(self, p: nn.Parameter, g: torch.Tensor) -> None:
         unit = self.unit_of[id(p)]
         landing = self.landing.setdefault(unit, {})
-        if id(p) in self.queued:
-            raise RuntimeError("a second backward before optimizer.step(): gradient accumulation needs the "
-                               "optimizer bound with overlap_backward=False")
         self.queued.add(id(p))
         landing[id(p)] = self._copy(self.acc[id(p)], g)
         self.d2h_bytes += g.numel() * g.element_size()
@@ -127,9 +131,15 @@ class HostGradSink:
         self.queued.clear()
         for unit in list(self.landing):  # units some of whose parameters got no gradient
             self._submit(unit)
+        late: dict[int, dict[int, torch.Tensor]] = {}  # steps started here: unit -> id(p) -> gradient
         for key in list(self.pending):
             p = self.pending[key][0]
-            p.grad = self._fold(key)
+            if self.stepper is not None and key in self.unit_of:
+                late.setdefault(self.unit_of[key], {})[key] = self._fold(key)
+            else:
+                p.grad = self._fold(key)
+        for unit, grads in late.items():
+            self.stepper.submit(unit, grads)
         for key in list(self.hidden):  # no new gradient this step: give the old one back
             p, host = self.hidden.pop(key)
             p.grad = host

@@ -146,6 +146,7 @@ class OffloadTrainingManager:
         self._by_index = {u.index: u for u in self.plan.units}
         self._trainable_units = {u.index for u in self.plan.units if any(r.trainable for r in u.tensors)}
         self._in_step = False
+        self._forward_uses: dict[int, int] = {}
         self._uses: list[int] | None = [] if self.budget is not None else None  # recorded in step 1
         self._step_bytes_start = 0
 
@@ -194,6 +195,8 @@ class OffloadTrainingManager:
         window = self.sched.window(key, self.prefetch, self._streamed_ids)
         keep = {unit.index} | {k[0] for k in window}
         streamer = self.streamer
+        if phase == "F" and torch.is_grad_enabled():
+            self._forward_uses[unit.index] = self._forward_uses.get(unit.index, 0) + 1
         if unit.index in self._streamed_ids:
             if phase == "F" and unit.index not in self._order_seen:
                 self._order_seen.add(unit.index)
@@ -225,6 +228,7 @@ class OffloadTrainingManager:
     # --- steps and the budget ------------------------------------------------------------------------
     def _begin_step(self) -> None:
         self._in_step = True
+        self._forward_uses: dict[int, int] = {}  # unit -> forward runs with gradients this step
         self._step_bytes_start = self.streamer.bytes
         if self.budget is None or self._uses is None:
             return
@@ -277,7 +281,8 @@ class OffloadTrainingManager:
                  for u in self.plan.units if u.index in self._trainable_units}
         self.stepper = HostStepper(optimizer, units)
         if overlap_backward:
-            self.grad_sink.start_steps(self.stepper, {id(p): u for u, ps in self.stepper.reals.items() for p in ps})
+            self.grad_sink.start_steps(self.stepper, {id(p): u for u, ps in self.stepper.reals.items() for p in ps},
+                                       lambda unit: self._forward_uses.get(unit, 0) > 1)
         else:
             self._optimizer_hooks.append(optimizer.register_step_pre_hook(self._queue_host_steps))
         self._optimizer_hooks.append(optimizer.register_state_dict_pre_hook(lambda opt: self.stepper.join()))

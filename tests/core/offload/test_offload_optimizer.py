@@ -150,7 +150,9 @@ def test_overlapped_steps_start_during_backward():
     h = model.embed.weight.register_hook(when_embed_gets_its_gradient)
     model(_data(0, 0)).pow(2).mean().backward()
     h.remove()
-    assert queued["units"] == {u.index for u in mgr.plan.units}  # every block's step is already queued
+    # Every block's step is already queued, except blocks[0]'s: it runs twice a forward, so its
+    # gradient may come in two pieces (on CUDA), and its step waits for after_backward().
+    assert queued["units"] == {u.index for u in mgr.plan.units} - {0}
     mgr.after_backward()
     opt.step()
     with pytest.raises(RuntimeError, match="accumulation"):
