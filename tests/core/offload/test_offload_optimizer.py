@@ -94,44 +94,36 @@ def test_lora_parameters_are_upcast_to_fp32_on_a_bf16_base():
     mgr.detach()
 
 
-def _bound_run(overlap_backward: bool, steps: int = 3):
+def _scheduled_run(bind: bool | None, steps: int = 3):
+    """AdamW with an lr that changes every step; ``bind``: None = no engine, else the engine with
+    the optimizer bound (``overlap_backward=bind``)."""
     model = _model()
-    mgr = OffloadTrainingManager(model, "cpu", enable_optimizer_cpu_offload=True, poison_evicted=True)
+    mgr = None
+    if bind is not None:
+        mgr = OffloadTrainingManager(model, "cpu", enable_optimizer_cpu_offload=True, poison_evicted=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    mgr.bind_optimizer(opt, overlap_backward=overlap_backward)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))  # the lr changes every step
-    losses = []
-    for step in range(steps):
-        loss = model(_data(step, 0)).pow(2).mean()
-        loss.backward()
-        mgr.after_backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-    state = opt.state_dict()  # waits for the queued host steps
-    mgr.detach()
-    return losses, model.state_dict(), state
-
-
-def _plain_run(steps: int = 3):
-    model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    if mgr is not None:
+        mgr.bind_optimizer(opt, overlap_backward=bind)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
     losses = []
     for step in range(steps):
         loss = model(_data(step, 0)).pow(2).mean()
         loss.backward()
+        if mgr is not None:
+            mgr.after_backward()
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
-    return losses, model.state_dict(), opt.state_dict()
+    state = opt.state_dict()  # waits for the queued host steps
+    if mgr is not None:
+        mgr.detach()
+    return losses, model.state_dict(), state
 
 
 @pytest.mark.parametrize("overlap_backward", [False, True])
 def test_bound_optimizer_steps_units_on_a_worker_and_is_bitwise_identical(overlap_backward):
-    ref, got = _plain_run(), _bound_run(overlap_backward)
+    ref, got = _scheduled_run(None), _scheduled_run(overlap_backward)
     assert all(torch.equal(a, b) for a, b in zip(ref[0], got[0]))
     assert all(torch.equal(ref[1][k], got[1][k]) for k in ref[1] if k != "calls")
     for i, s in ref[2]["state"].items():  # one optimizer state, checkpointable as usual
