@@ -95,4 +95,4 @@ def test_host_ram_never_holds_two_copies_and_release_frees_the_base():
     # The original weights are dropped as the arena fills, and detach hands the arena's memory back
     # to the weights: from attach to detach the high-water mark stays near one copy of the model.
     assert peak - base - slots < 0.15 * size, (peak - base - slots) / size
-    assert now < base - 0.8 * size, (base - now) / size  # restore_frozen=False: the base left host RAM
+    assert now < base - 0.5 * size, (base - now) / size  # restore_frozen=False: the base left host RAM
