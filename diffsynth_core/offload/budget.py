@@ -124,6 +124,12 @@ def plan_residency(units: list[Unit], uses: list[int], n_slots: int, room: int) 
                       sum(n * by_index[i].host_bytes for i, n in loads.items()))
 
 
+def static_residency(units: list[Unit], room: int) -> list[Unit]:
+    """``resident_gb``: frozen units that fit in ``room`` bytes, evenly spaced over the registration
+    order, chosen at attach without measuring (for callers that plan their device memory themselves)."""
+    return _evenly_spaced([u for u in units if not any(r.trainable for r in u.tensors)], room)
+
+
 def _evenly_spaced(group: list[Unit], room: int) -> list[Unit]:
     """The largest evenly spaced subset of ``group`` (midpoints of k equal stretches) that fits."""
     n = len(group)

@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_flatten
 from ..errors import InputError
 from .arena import HostArena
 from .shared_arena import SharedHostArena, shared_host_arena
-from .budget import GIB, BudgetTracker, auto_budget, plan_residency
+from .budget import GIB, BudgetTracker, auto_budget, plan_residency, static_residency
 from .grads import GradAverager, HostGradSink
 from .host_optimizer import HostStepper
 from .plan import MIB, Plan, build_plan
@@ -48,7 +48,9 @@ class OffloadTrainingManager:
     with every unit streamed and is measured; at the start of the second, the units whose residency
     saves the most copied bytes per step fill what the budget leaves (see ``budget``), and the run
     stops with an :class:`~diffsynth_core.errors.InputError` if the step alone does not fit.
-    ``report()`` gives planned vs measured bytes per step and the peak.
+    ``report()`` gives planned vs measured bytes per step and the peak.  ``resident_gb`` instead keeps
+    that many GiB of units on the device from attach on, evenly spaced, without measuring anything
+    (for callers that plan the device memory themselves, e.g. the preprocess stage's encoders).
 
     ``storage_dtype=torch.float8_e4m3fn`` stores frozen weights of two or more dimensions as fp8
     with one power-of-two scale per row (``quant``): half the host RAM and half the bytes per
@@ -86,7 +88,8 @@ class OffloadTrainingManager:
                  granularity: str = "block", prefetch: int = 1, vram_budget_gb: float | str = 0.0,
                  storage_dtype: torch.dtype | None = None, pin_memory: bool | None = None,
                  trainable_dtype: torch.dtype | None = None, data_parallel: bool | None = None,
-                 poison_evicted: bool = False, host_arena_factory=None, share_host_copy: bool | None = None):
+                 poison_evicted: bool = False, host_arena_factory=None, share_host_copy: bool | None = None,
+                 resident_gb: float = 0.0):
         if getattr(model, _MARK, None) is not None:
             raise RuntimeError("an OffloadTrainingManager is already attached to this model; detach() it first")
         _check_options(prefetch, vram_budget_gb, cpu_offload_split_threshold)
@@ -103,11 +106,11 @@ class OffloadTrainingManager:
         # Checked before anything moves: a budget that cannot even hold the slots fails here.
         self.budget = BudgetTracker(budget, self.device, self.plan.fixed_bytes(n_slots)) if budget > 0 else None
         self.plan.move_resident()
-        self.arena = (host_arena_factory or HostArena)(self.plan.arena_bytes)
-        self.plan.fill_arena(self.arena)
-        if self.device.type == "cuda" if pin_memory is None else pin_memory:
-            self.arena.pin()
+        pin = self.device.type == "cuda" if pin_memory is None else pin_memory
+        self.arena = self._make_arena(pin, share_host_copy, host_arena_factory or HostArena)
         self.streamer = Streamer(self.plan.units, self.arena, self.device, n_slots, poison_evicted)
+        if resident_gb:
+            self.plan.set_budget(static_residency(self.plan.units, int(resident_gb * GIB)), self.streamer)
         self._setup_schedule()
         self.grad_sink = (HostGradSink(self.plan.host_trainable, self.device, self.arena.pinned)
                           if self.plan.host_trainable else None)
@@ -117,6 +120,7 @@ class OffloadTrainingManager:
                             if self.grad_sink else None)
         self.averager = self._make_averager(data_parallel)
         self._handles = self._register_hooks()
+        self._drop_hooks(self.plan.budget)
         self.stats = {"loads": {"F": 0, "B": 0}, "max_loaded": 0, "steps": 0, "last_step_h2d_bytes": 0,
                       "planned_h2d_bytes_per_step": None}
         self.unit_loads: dict[int, dict[str, int]] = {u.index: {"F": 0, "B": 0} for u in self.plan.units}
@@ -167,6 +171,12 @@ class OffloadTrainingManager:
         return {unit.index: [unit.module.register_forward_pre_hook(self._pre_hook(unit)),
                              unit.module.register_forward_hook(self._post_hook(unit), with_kwargs=True)]
                 for unit in self.plan.units}
+
+    def _drop_hooks(self, units) -> None:
+        """Resident units need no hooks: their steps cost no Python at all."""
+        for unit in units:
+            for h in self._handles.pop(unit.index, []):
+                h.remove()
 
     def _pre_hook(self, unit):
         def hook(module, args):
@@ -247,9 +257,7 @@ class OffloadTrainingManager:
         self.streamer.rehome([i for i in dict.fromkeys(self._uses) if i in self._streamed_ids])
         self._order, self._order_seen = [], set()
         self.budget.planned_peak += sum(u.dev_bytes for u in plan.resident)
-        for unit in plan.resident:  # resident units need no hooks: their steps cost no Python at all
-            for h in self._handles.pop(unit.index):
-                h.remove()
+        self._drop_hooks(plan.resident)
         self.stats["planned_h2d_bytes_per_step"] = plan.planned_bytes
         self._uses = None
 
