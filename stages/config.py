@@ -205,6 +205,8 @@ class TrainSection(_Section):
     drop_last: bool = False  # a bucket's last batch smaller than batch_size: dropped (true) or trained (false)
     caption_dropout: float = Field(0.0, ge=0, le=1)  # probability of training a sample on the empty prompt
     ema_decay: float = Field(0.0, ge=0, lt=1)  # 0: no EMA; else e.g. 0.999, exported as lora_ema.safetensors
+    # Bitwise repeatable CUDA runs (deterministic kernels, cuBLAS workspace, seeded RNGs); slower.
+    deterministic: bool = False
     # A step whose loss or gradients are NaN/Inf is skipped (no update); this many in a row stop the run.
     max_nonfinite_steps: int = Field(3, ge=1)
 
@@ -223,11 +225,14 @@ class TrainSection(_Section):
 class OffloadSection(_Section):
     enable_model_cpu_offload: bool = False
     enable_optimizer_cpu_offload: bool = False
-    cpu_offload_split_threshold: int | None = None
-    vram_budget_gb: float = Field(0.0, ge=0, allow_inf_nan=False)
+    # MB, as in DiffSynth-Studio: a unit with more bytes of weights is split into its children.
+    cpu_offload_split_threshold: float | None = Field(None, gt=0, allow_inf_nan=False)
+    # Cap on the GPU's peak memory (GiB) or "auto" (what is free, minus 5 %); 0: stream every block.
+    vram_budget_gb: Annotated[float, Field(ge=0, allow_inf_nan=False)] | Literal["auto"] = 0.0
     prefetch: int = Field(1, ge=0)
     granularity: Literal["block", "leaf"] = "block"
-    storage_dtype: str | None = None
+    # Host copy (and copies to the GPU) of frozen weights; fp8 uses one scale per row.
+    storage_dtype: Literal["float8_e4m3fn", "float8_e5m2", "bfloat16", "float16"] | None = None
 
 
 class OutputSection(_Section):

@@ -184,7 +184,7 @@ def place_encoders(components: dict, spec: FamilySpec, device: torch.device, str
         largest, outside = _block_sizes(module)
         floor = 2 * largest + outside  # two slots (prefetch 1) and what stays outside the blocks
         blocks_gb = max(0.0, budget - resident - floor - vae_reserve) / GIB if budget is not None else 0.0
-        manager = OffloadTrainingManager(module, device, vram_budget_gb=blocks_gb, data_parallel=False,
+        manager = OffloadTrainingManager(module, device, resident_gb=blocks_gb, data_parallel=False,
                                          share_host_copy=False)  # per process: no collectives
         placement.managers.append(manager)
         info = manager.report()  # resident for good: all but the streamed units, plus the slots

@@ -8,6 +8,7 @@ lock names the holder); checkpoints record the base model they were trained on.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -22,7 +23,7 @@ from safetensors.torch import save_file
 from diffsynth_core.models import FamilySpec, check_model_folder, get_family
 from diffsynth_core.errors import InputError
 from diffsynth_core.training.checkpoint import CheckpointManager
-from diffsynth_core.training.device import avoid_broken_kernels
+from diffsynth_core.training.device import avoid_broken_kernels, configure_determinism
 from diffsynth_core.training.ema import swapped_weights
 from diffsynth_core.training.guards import require_finite
 from diffsynth_core.training.loop import Trainer
@@ -134,6 +135,7 @@ def _train(cfg: RunConfig) -> TrainSummary:
     spec = get_family(cfg.model.family)
     store, keys = training_keys(cfg)  # checked against the model, derived from the config
     empty_prompt = load_empty_prompt(cfg, store)  # before any model loads: a missing entry fails fast
+    configure_determinism(cfg.train.deterministic, cfg.train.seed)
     device = init_distributed(avoid_broken_kernels(resolve_device(cfg.train.device, "train.device")))
     output = cfg.output_dir
     base = None
@@ -152,9 +154,17 @@ def _train(cfg: RunConfig) -> TrainSummary:
                       device=device, repeat=cfg.dataset.repeat, callbacks=callbacks,
                       checkpoint_metadata={METADATA_KEY: base} if base else None, empty_prompt=empty_prompt)
     result = trainer.fit()
+    if result.offload is not None and trainer.rank == 0:  # planned vs measured bytes per step, GPU peak
+        (output / "offload.json").write_text(json.dumps(result.offload.report(), indent=1))
+    if result.offload is not None and result.lora_config is None:
+        result.offload.detach()  # full fine-tuning exports every weight: back in place, no second copy
     exports = _export(spec, result, output) if trainer.rank == 0 else {}
     if trainer.rank == 0 and result.ema is not None:
         exports.update(_export_ema(spec, result, output))
+    if result.offload is not None and result.lora_config is not None:
+        # The adapters were read with the engine attached: release the frozen base, never restore it
+        # (restoring would hold a second host copy of the DiT at the very end of the run).
+        result.offload.detach(restore_frozen=False)
     summary = TrainSummary(str(output), result.step, result.resumed_from,
                            result.losses[-1] if result.losses else None, exports, time.perf_counter() - started)
     log.info(summary.describe())

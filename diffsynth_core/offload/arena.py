@@ -4,6 +4,14 @@ Why not ``tensor.pin_memory()`` per weight: PyTorch's caching host allocator rou
 up to a power of two (50-100% more RAM on a DiT).  We allocate one plain host tensor of exactly the
 bytes needed (64-byte aligned regions) and page-lock it in place with ``cudaHostRegister``.  Where
 there is no CUDA, or registration fails, the arena stays pageable and we warn once.
+
+The manager creates its arena through one factory, ``host_arena_factory(nbytes) -> arena``
+(default :class:`HostArena`), so another host memory (e.g. one shared-memory copy per machine) can
+be plugged in.  An arena offers ``buffer`` (uint8 tensor of ``nbytes``), ``nbytes``, ``pinned``,
+``region(off, n)``, ``pin()`` and ``release()``.  The manager fills it first and pins it after:
+pages are only touched as weights are copied in (while the originals are dropped one by one), so
+host RAM never holds two copies of the model; page-locking an empty arena would commit all of it
+up front.
 """
 
 from __future__ import annotations
@@ -24,16 +32,15 @@ def _warn_pageable(reason: str) -> None:
 
 
 class HostArena:
-    """``nbytes`` of host memory (uint8), optionally page-locked; ``region(off, n)`` is a view."""
+    """``nbytes`` of host memory (uint8); ``pin()`` page-locks it; ``region(off, n)`` is a view."""
 
-    def __init__(self, nbytes: int, pin: bool):
+    def __init__(self, nbytes: int):
         self.nbytes = nbytes
         self.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8)
         self.pinned = False
-        if pin:
-            self._register()
 
-    def _register(self) -> None:
+    def pin(self) -> None:
+        """Page-lock the buffer in place (``cudaHostRegister``); warn once and stay pageable if impossible."""
         if not torch.cuda.is_available():
             _warn_pageable("CUDA is not available")
             return
@@ -50,6 +57,8 @@ class HostArena:
         return self.buffer.narrow(0, offset, nbytes)
 
     def release(self) -> None:
+        """Unpin and drop the arena's own reference; tensors still viewing it keep the memory alive
+        (that is how ``detach()`` hands weights back without a copy)."""
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
             self.pinned = False

@@ -6,6 +6,13 @@ device->host copy on a side stream into a preallocated (pinned where possible) h
 the device gradient, so gradients never pile up on the device.  ``finish()`` (from ``after_backward``)
 waits for those copies and hands the host gradients to ``param.grad``, adding to what earlier
 micro-steps accumulated: gradient accumulation works like it does without offload.
+
+With ``start_steps(stepper, unit_of, multi_use)`` (the optimizer bound with ``overlap_backward``)
+the host gradients never reach ``param.grad``: as soon as the last gradient of a unit is queued,
+the unit's optimizer step is queued behind those copies (``HostStepper``), while backward goes on.
+A unit that ran several times in the forward (``multi_use``) may get its gradient in several
+pieces (on CUDA each reload makes autograd start a new accumulator), so its step waits for
+``finish()``, which adds the pieces up first.
 """
 
 from __future__ import annotations
@@ -27,13 +34,29 @@ class HostGradSink:
         for p in params:
             offsets.append(total)
             total = align_up(total + p.numel() * p.element_size())
-        self.arena = HostArena(total, pin)
+        self.arena = HostArena(total)
+        if pin:
+            self.arena.pin()
         self.acc = {id(p): typed_view(self.arena.buffer, off, p.dtype, p.shape) for p, off in zip(params, offsets)}
         self.staging: dict[int, torch.Tensor] = {}  # only for accumulation across micro-steps
         self.hidden: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}  # host grads set aside while on device
         self.pending: dict[int, tuple[nn.Parameter, object, bool]] = {}
         self.handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         self.d2h_bytes = 0
+        self.produced = False  # a backward produced host gradients that finish() has not landed
+        self.stepper = None  # HostStepper: steps start as gradients land
+        self.multi_use = None  # unit -> ran more than once in this forward
+        self.unit_of: dict[int, int] = {}
+        self.unit_size: dict[int, int] = {}
+        self.landing: dict[int, dict[int, object]] = {}  # unit -> id(p) -> copy event
+        self.queued: set[int] = set()  # parameters whose step is queued since the last finish()
+
+    def start_steps(self, stepper, unit_of: dict[int, int], multi_use) -> None:
+        """From now on each unit's optimizer step is queued once its gradients are (being) copied."""
+        self.stepper, self.unit_of, self.multi_use = stepper, unit_of, multi_use
+        self.unit_size = {}
+        for unit in unit_of.values():
+            self.unit_size[unit] = self.unit_size.get(unit, 0) + 1
 
     def hide(self, p: nn.Parameter) -> None:
         """Called before ``p`` moves to the device: a host ``.grad`` must not meet a device gradient."""
@@ -44,22 +67,44 @@ class HostGradSink:
     def _on_grad(self, p: nn.Parameter) -> None:
         g = p.grad
         p.grad = None
+        self.produced = True
+        if id(p) in self.queued:  # its step is already queued: this is a second backward
+            raise RuntimeError("a second backward before optimizer.step(): gradient accumulation needs the "
+                               "optimizer bound with overlap_backward=False")
+        if self.stepper is not None and id(p) in self.unit_of and not self.multi_use(self.unit_of[id(p)]):
+            self._copy_and_step(p, g)
+            return
         if id(p) in self.pending:  # a second backward before after_backward: fold the first one in
             self.hidden[id(p)] = (p, self._fold(id(p)))
         accumulate = id(p) in self.hidden
         dst = self._staging(p) if accumulate else self.acc[id(p)]
-        if self.cuda:
-            produced = torch.cuda.current_stream(self.device).record_event()
-            with torch.cuda.stream(self.stream):
-                self.stream.wait_event(produced)
-                dst.copy_(g, non_blocking=True)
-                g.record_stream(self.stream)  # keep g's memory alive until the copy ran
-                done = self.stream.record_event()
-        else:
-            dst.copy_(g)
-            done = None
-        self.pending[id(p)] = (p, done, accumulate)
+        self.pending[id(p)] = (p, self._copy(dst, g), accumulate)
         self.d2h_bytes += g.numel() * g.element_size()
+
+    def _copy(self, dst: torch.Tensor, g: torch.Tensor):
+        if not self.cuda:
+            dst.copy_(g)
+            return None
+        produced = torch.cuda.current_stream(self.device).record_event()
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(produced)
+            dst.copy_(g, non_blocking=True)
+            g.record_stream(self.stream)  # keep g's memory alive until the copy ran
+            return self.stream.record_event()
+
+    def _copy_and_step(self, p: nn.Parameter, g: torch.Tensor) -> None:
+        unit = self.unit_of[id(p)]
+        landing = self.landing.setdefault(unit, {})
+        self.queued.add(id(p))
+        landing[id(p)] = self._copy(self.acc[id(p)], g)
+        self.d2h_bytes += g.numel() * g.element_size()
+        if len(landing) == self.unit_size[unit]:
+            self._submit(unit)
+
+    def _submit(self, unit: int) -> None:
+        landing = self.landing.pop(unit)
+        self.stepper.submit(unit, {key: self.acc[key] for key in landing},
+                            [e for e in landing.values() if e is not None])
 
     def _staging(self, p: nn.Parameter) -> torch.Tensor:
         buf = self.staging.get(id(p))
@@ -79,11 +124,22 @@ class HostGradSink:
         return self.acc[key]
 
     def finish(self) -> None:
-        """Every queued copy has landed and every host gradient is back in ``param.grad``.
+        """Every queued copy has landed and every host gradient is back in ``param.grad`` (or, with
+        steps started as gradients land, every unit that got gradients has its step queued).
         Parameters must already point at their host masters (the manager evicts first)."""
+        self.produced = False
+        self.queued.clear()
+        for unit in list(self.landing):  # units some of whose parameters got no gradient
+            self._submit(unit)
+        late: dict[int, dict[int, torch.Tensor]] = {}  # steps started here: unit -> id(p) -> gradient
         for key in list(self.pending):
             p = self.pending[key][0]
-            p.grad = self._fold(key)
+            if self.stepper is not None and key in self.unit_of:
+                late.setdefault(self.unit_of[key], {})[key] = self._fold(key)
+            else:
+                p.grad = self._fold(key)
+        for unit, grads in late.items():
+            self.stepper.submit(unit, grads)
         for key in list(self.hidden):  # no new gradient this step: give the old one back
             p, host = self.hidden.pop(key)
             p.grad = host

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
+import torch.optim.optimizer as optim_hooks
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from ..errors import InputError
 from .arena import HostArena
 from .shared_arena import SharedHostArena, shared_host_arena
+from .budget import GIB, BudgetTracker, auto_budget, plan_residency, static_residency
 from .grads import GradAverager, HostGradSink
-from .plan import Plan, build_plan
+from .host_optimizer import HostStepper
+from .plan import MIB, Plan, build_plan
 from .schedule import SuccessorSchedule
 from .streamer import Streamer
 
@@ -22,86 +28,119 @@ class OffloadTrainingManager:
 
     **Units.** With ``granularity="block"`` every child of the model's ModuleLists of blocks
     (``block_container_names``, auto-detected when ``None``) is one unit; ``"leaf"`` makes every
-    parameter-owning leaf module a unit.  A unit's frozen weights sit in one 64-byte aligned region of
-    a single host arena (page-locked with ``cudaHostRegister`` when ``pin_memory`` is on; ``None`` =
-    on exactly when the target is CUDA) and reach the device as **one copy per unit** on a side
-    stream, into one of ``prefetch + 1`` reused device slots.  The next ``prefetch`` units in
+    parameter-owning leaf module a unit.  ``cpu_offload_split_threshold`` (MB, as in the reference
+    API) splits every unit whose weights exceed that many bytes into its children, recursively
+    (smaller units: smaller slots, more copies).  Every unit's frozen weights sit in one 64-byte
+    aligned region of a single host arena (made by ``host_arena_factory``, default
+    :class:`~.arena.HostArena`; page-locked with ``cudaHostRegister`` when ``pin_memory`` is on,
+    ``None`` = on exactly when the target is CUDA) and reach the device as **one copy per unit** on
+    a side stream, into one of ``prefetch + 1`` reused device slots.  ``share_host_copy`` (``None`` =
+    on when torch.distributed has several ranks): the ranks of one machine share one host copy of
+    the frozen weights (``shared_arena.py``), so host RAM does not grow with the number of GPUs; not
+    with optimizer offload (each rank's optimizer owns its copy).  The next ``prefetch`` units in
     execution order (learned on the first step: forward order, then reverse order in backward,
     recompute included) are copied while the current one computes.  Eviction only points the
-    parameters back at their host copy: frozen weights never travel device->host.
-    ``vram_budget_gb`` keeps that many GiB of units permanently on the device, spread evenly over
-    the execution order.  ``storage_dtype`` (e.g. ``torch.float8_e4m3fn``) stores frozen floating
-    weights in that dtype on the host and widens them on the device (lossy; ``detach`` gives back
-    the widened values).  Everything else (buffers, parameters shared between units or owned by
-    non-leaf modules outside the units, e.g. Wan's ``scale_shift_table``) is moved to the device once.
+    parameters back at their host copy: frozen weights never travel device->host, and frozen units
+    still in the slots when a step ends stay there for the next step's forward.
+
+    **GPU memory budget.** ``vram_budget_gb`` (GiB, or ``"auto"`` = what the device has free minus
+    5 % of it; ``0`` = stream every unit) caps the step's peak device memory.  The first step runs
+    with every unit streamed and is measured; at the start of the second, the units whose residency
+    saves the most copied bytes per step fill what the budget leaves (see ``budget``), and the run
+    stops with an :class:`~diffsynth_core.errors.InputError` if the step alone does not fit.
+    ``report()`` gives planned vs measured bytes per step and the peak.  ``resident_gb`` instead keeps
+    that many GiB of units on the device from attach on, evenly spaced, without measuring anything
+    (for callers that plan the device memory themselves, e.g. the preprocess stage's encoders).
+
+    ``storage_dtype=torch.float8_e4m3fn`` stores frozen weights of two or more dimensions as fp8
+    with one power-of-two scale per row (``quant``): half the host RAM and half the bytes per
+    copy; the device widens them to the compute dtype (lossy; ``detach`` gives back the widened
+    values).  Everything else (buffers, parameters shared between units or owned by modules outside
+    the units, e.g. Wan's ``scale_shift_table``) is moved to the device once.
 
     **Order of set-up** (what ``training.prepare`` does): apply LoRA (peft) first, so the adapter
     weights exist and are trainable; then ``apply_gradient_checkpointing``; then attach this
     manager; then build the optimizer over ``[p for p in model.parameters() if p.requires_grad]``.
-    Building the optimizer before attaching also works (parameters keep their identity; only their
-    ``.data`` moves), provided it has taken no step yet.  Mark parameters trainable/frozen before
-    attaching: that split is read once, at attach.
+    Mark parameters trainable/frozen before attaching: that split is read once, at attach.
 
     **Where trainable parameters live.**  Without optimizer offload (LoRA): on ``target_device``,
-    permanently, in their own dtype (peft keeps adapters in fp32 by default even on a bf16 base),
-    with their gradients and the optimizer state there too.  With
-    ``enable_optimizer_cpu_offload=True`` (full fine-tuning): trainable weights inside units live in
-    the host arena, are streamed with their unit, their gradients are copied to the host as they are
-    produced, and after ``after_backward()`` both weights and gradients are host tensors, so the
-    optimizer steps on the CPU (use ``torch.optim.AdamW(..., fused=True)``).  Trainable parameters
-    outside units stay on the device.
+    permanently, in their own dtype (``trainable_dtype=torch.float32`` upcasts them at attach).
+    With ``enable_optimizer_cpu_offload=True`` (full fine-tuning): trainable weights inside units
+    live in the host arena, are streamed with their unit, their gradients are copied to the host as
+    they are produced, and after ``after_backward()`` both weights and gradients are host tensors,
+    so the optimizer steps on the CPU (``torch.optim.AdamW(..., fused=True)``).
+    ``bind_optimizer(optimizer)`` moves that CPU step off the critical path (see there).
 
     **Training step**: ``loss.backward(); mgr.after_backward(); optimizer.step();
-    optimizer.zero_grad(set_to_none=True)``.  Call ``after_backward()`` after every backward
-    (gradient accumulation works: gradients add up as usual).  It evicts every streamed unit,
-    finishes gradient copies and, when ``torch.distributed`` runs with several ranks, averages the
-    trainable gradients over ranks.  Inference under ``torch.no_grad()`` works while attached.
-    ``detach()`` removes every hook and gives back the model with real weights on their original
-    devices.  ``cpu_offload_split_threshold`` (MB, reference API) switches to ``"leaf"`` units.
-
-    Other options: ``trainable_dtype=torch.float32`` upcasts device-resident trainable parameters
-    (LoRA adapters injected into a bf16 base) at attach; they stay in that dtype after ``detach``
-    (peft casts the adapter input, so the forward keeps working).  ``data_parallel`` (``None`` =
-    on when torch.distributed has several ranks) broadcasts rank 0's trainable weights at attach and
-    averages gradients in ``after_backward``.  ``poison_evicted`` (debug) fills a slot with garbage
-    after each eviction, so a stale reference to evicted weights shows up as NaN.
-    ``share_host_copy`` (``None`` = on when torch.distributed has several ranks): the ranks of one
-    machine share one host copy of the frozen weights (``shared_arena.py``), so host RAM does not
-    grow with the number of GPUs; not with optimizer offload (each rank's optimizer owns its copy).
-
-    Telemetry: ``report()`` (units, bytes, H2D copies and bytes, per-phase loads, ``stalls`` = uses
-    whose copy had not landed yet) and ``loaded_units()``.  After inference, ``after_backward()``
-    also frees the device slots' contents.  Do not ``.to()`` the model while attached.
+    optimizer.zero_grad(set_to_none=True)``.  ``after_backward()`` after every backward (gradient
+    accumulation works) lands host gradients and, with several ``torch.distributed`` ranks
+    (``data_parallel``), averages the trainable gradients.  ``optimizer.step()`` before
+    ``after_backward()`` raises.  ``detach()`` removes every hook and gives the model back in
+    place (weights stored unchanged keep the arena's memory: no second host copy);
+    ``detach(restore_frozen=False)`` releases the frozen weights instead (meta tensors), for when
+    only the trainable ones are needed (a LoRA export).  ``poison_evicted`` (debug) fills a slot
+    with garbage after each eviction.  Telemetry: ``report()`` and ``loaded_units()``.  Do not
+    ``.to()`` the model while attached.
     """
 
     def __init__(self, model: nn.Module, target_device, enable_optimizer_cpu_offload: bool = False,
                  cpu_offload_split_threshold: float | None = None, *, block_container_names=None,
-                 granularity: str = "block", prefetch: int = 1, vram_budget_gb: float = 0.0,
+                 granularity: str = "block", prefetch: int = 1, vram_budget_gb: float | str = 0.0,
                  storage_dtype: torch.dtype | None = None, pin_memory: bool | None = None,
                  trainable_dtype: torch.dtype | None = None, data_parallel: bool | None = None,
-                 poison_evicted: bool = False, share_host_copy: bool | None = None):
+                 poison_evicted: bool = False, host_arena_factory=None, share_host_copy: bool | None = None,
+                 resident_gb: float = 0.0):
         if getattr(model, _MARK, None) is not None:
             raise RuntimeError("an OffloadTrainingManager is already attached to this model; detach() it first")
-        if prefetch < 0:
-            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
-        if vram_budget_gb < 0:
-            raise ValueError(f"vram_budget_gb must be >= 0, got {vram_budget_gb}")
-        if cpu_offload_split_threshold is not None:
-            granularity = "leaf"
+        _check_options(prefetch, vram_budget_gb, cpu_offload_split_threshold)
         self.model, self.device = model, torch.device(target_device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.prefetch = prefetch
         self.optimizer_offload = enable_optimizer_cpu_offload
-        pin = self.device.type == "cuda" if pin_memory is None else pin_memory
+        split = None if cpu_offload_split_threshold is None else int(cpu_offload_split_threshold * MIB)
         self.plan: Plan = build_plan(model, self.device, granularity, block_container_names,
-                                     enable_optimizer_cpu_offload, storage_dtype, vram_budget_gb,
-                                     trainable_dtype)
+                                     enable_optimizer_cpu_offload, storage_dtype, trainable_dtype, split)
+        budget = auto_budget(self.device) if vram_budget_gb == "auto" else int(float(vram_budget_gb) * GIB)
+        n_slots = min(prefetch + 1, len(self.plan.units))
+        # Checked before anything moves: a budget that cannot even hold the slots fails here.
+        self.budget = BudgetTracker(budget, self.device, self.plan.fixed_bytes(n_slots)) if budget > 0 else None
         self.plan.move_resident()
-        self.arena = self._make_arena(pin, share_host_copy)
-        n_slots = min(prefetch + 1, len(self.plan.streamed))
-        self.streamer = Streamer(self.plan.streamed, self.arena, self.device, n_slots, poison_evicted)
-        self.plan.load_budget_units(self.arena)
+        pin = self.device.type == "cuda" if pin_memory is None else pin_memory
+        self.arena = self._make_arena(pin, share_host_copy, host_arena_factory or HostArena)
+        self.streamer = Streamer(self.plan.units, self.arena, self.device, n_slots, poison_evicted)
+        if resident_gb:
+            self.plan.set_budget(static_residency(self.plan.units, int(resident_gb * GIB)), self.streamer)
+        self._setup_schedule()
+        self.grad_sink = (HostGradSink(self.plan.host_trainable, self.device, self.arena.pinned)
+                          if self.plan.host_trainable else None)
+        self.stepper: HostStepper | None = None
+        self._optimizer_hooks: list = []
+        self._order_hook = (optim_hooks.register_optimizer_step_pre_hook(self._check_step_order)
+                            if self.grad_sink else None)
+        self.averager = self._make_averager(data_parallel)
+        self._handles = self._register_hooks()
+        self._drop_hooks(self.plan.budget)
+        self.stats = {"loads": {"F": 0, "B": 0}, "max_loaded": 0, "steps": 0, "last_step_h2d_bytes": 0,
+                      "planned_h2d_bytes_per_step": None}
+        self.unit_loads: dict[int, dict[str, int]] = {u.index: {"F": 0, "B": 0} for u in self.plan.units}
+        setattr(model, _MARK, self)
+
+    # --- set-up helpers ------------------------------------------------------------------------
+    def _make_arena(self, pin: bool, share: bool | None, factory):
+        """The filled (then pinned) host arena: one per machine shared by its local ranks
+        (shared_arena.py), or this process's own from ``factory``."""
+        if share is not False:
+            arena = shared_host_arena(self.plan, pin)
+            if arena is not None:
+                return arena
+        arena = factory(self.plan.arena_bytes)
+        self.plan.fill_arena(arena)
+        if pin:
+            arena.pin()
+        return arena
+
+    def _setup_schedule(self) -> None:
         self.sched = SuccessorSchedule()
         if self.plan.blocks:  # blocks run in list order: prefetch from the very first step
             self.sched.seed([u.index for u in self.plan.units])
@@ -109,24 +148,11 @@ class OffloadTrainingManager:
         self._order: list[int] = []  # streamed units in the order their forward first ran this step
         self._order_seen: set[int] = set()
         self._by_index = {u.index: u for u in self.plan.units}
-        self.grad_sink = (HostGradSink(self.plan.host_trainable, self.device, pin)
-                          if self.plan.host_trainable else None)
-        self.averager = self._make_averager(data_parallel)
-        self._handles = self._register_hooks()
-        self.stats = {"loads": {"F": 0, "B": 0}, "max_loaded": 0, "steps": 0}
-        self.unit_loads: dict[int, dict[str, int]] = {u.index: {"F": 0, "B": 0} for u in self.plan.units}
-        setattr(model, _MARK, self)
-
-    # --- set-up helpers ------------------------------------------------------------------------
-    def _make_arena(self, pin: bool, share: bool | None) -> HostArena:
-        """The filled host arena: one per machine shared by its local ranks (shared_arena.py), or our own."""
-        if share is not False:
-            arena = shared_host_arena(self.plan, pin)
-            if arena is not None:
-                return arena
-        arena = HostArena(self.plan.arena_bytes, pin)
-        self.plan.fill_arena(arena)
-        return arena
+        self._trainable_units = {u.index for u in self.plan.units if any(r.trainable for r in u.tensors)}
+        self._in_step = False
+        self._forward_uses: dict[int, int] = {}
+        self._uses: list[int] | None = [] if self.budget is not None else None  # recorded in step 1
+        self._step_bytes_start = 0
 
     def _make_averager(self, data_parallel: bool | None) -> GradAverager | None:
         multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -141,12 +167,16 @@ class OffloadTrainingManager:
         averager.broadcast_params()  # every rank starts from rank 0's trainable weights
         return averager
 
-    def _register_hooks(self) -> list:
-        handles = []
-        for unit in self.plan.units:
-            handles.append(unit.module.register_forward_pre_hook(self._pre_hook(unit)))
-            handles.append(unit.module.register_forward_hook(self._post_hook(unit), with_kwargs=True))
-        return handles
+    def _register_hooks(self) -> dict[int, list]:
+        return {unit.index: [unit.module.register_forward_pre_hook(self._pre_hook(unit)),
+                             unit.module.register_forward_hook(self._post_hook(unit), with_kwargs=True)]
+                for unit in self.plan.units}
+
+    def _drop_hooks(self, units) -> None:
+        """Resident units need no hooks: their steps cost no Python at all."""
+        for unit in units:
+            for h in self._handles.pop(unit.index, []):
+                h.remove()
 
     def _pre_hook(self, unit):
         def hook(module, args):
@@ -167,21 +197,28 @@ class OffloadTrainingManager:
     # --- the one scheduling decision ---------------------------------------------------------------
     def _use(self, unit, phase: str) -> None:
         """``unit`` is about to compute: make sure it is (being) loaded, prefetch what follows."""
-        key = (unit.index, phase)
-        self.sched.observe(key)
+        if not self._in_step:
+            self._begin_step()
+        if self._uses is not None:
+            self._uses.append(unit.index)
+        key = self.sched.observe(unit.index, phase)
         window = self.sched.window(key, self.prefetch, self._streamed_ids)
         keep = {unit.index} | {k[0] for k in window}
         streamer = self.streamer
+        if phase == "F" and torch.is_grad_enabled():
+            self._forward_uses[unit.index] = self._forward_uses.get(unit.index, 0) + 1
         if unit.index in self._streamed_ids:
             if phase == "F" and unit.index not in self._order_seen:
                 self._order_seen.add(unit.index)
                 self._order.append(unit.index)
             if not streamer.is_loaded(unit):
+                if self.stepper is not None:  # its weights must have taken the last optimizer step
+                    self.stepper.wait(unit.index)
                 self._load(unit, phase, streamer.home_slot(unit))
             streamer.wait_ready(unit)
         for k in window:  # prefetch, unless the home slot holds a unit still needed sooner
             nxt = self._by_index[k[0]]
-            if not streamer.is_loaded(nxt):
+            if not streamer.is_loaded(nxt) and (self.stepper is None or self.stepper.is_done(nxt.index)):
                 slot = streamer.home_slot(nxt, keep)
                 if slot is not None:
                     self._load(nxt, k[1], slot)
@@ -198,26 +235,111 @@ class OffloadTrainingManager:
             if rec.trainable:
                 self.grad_sink.hide(rec.param)
 
+    # --- steps and the budget ------------------------------------------------------------------------
+    def _begin_step(self) -> None:
+        self._in_step = True
+        self._forward_uses: dict[int, int] = {}  # unit -> forward runs with gradients this step
+        self._step_bytes_start = self.streamer.bytes
+        if self.budget is None or self._uses is None:
+            return
+        if self.stats["steps"] == 0:
+            self.budget.begin_first_step()
+        else:
+            self._plan_budget()
+
+    def _plan_budget(self) -> None:
+        """Second step starts: fill what the budget leaves with the units that save most bytes."""
+        room = self.budget.room()
+        plan = plan_residency(self.plan.units, self._uses, len(self.streamer.slots), room)
+        self.streamer.evict_all()
+        self.plan.set_budget(plan.resident, self.streamer)
+        self._streamed_ids = {u.index for u in self.plan.streamed}
+        self.streamer.rehome([i for i in dict.fromkeys(self._uses) if i in self._streamed_ids])
+        self._order, self._order_seen = [], set()
+        self.budget.planned_peak += sum(u.dev_bytes for u in plan.resident)
+        self._drop_hooks(plan.resident)
+        self.stats["planned_h2d_bytes_per_step"] = plan.planned_bytes
+        self._uses = None
+
+    def _end_step(self) -> None:
+        self._in_step = False
+        self.stats["last_step_h2d_bytes"] = self.streamer.bytes - self._step_bytes_start
+        if self.budget is not None:
+            self.budget.end_step(first=self.stats["steps"] == 0)
+            if self.budget.over_budget_steps == 1 and self.stats["steps"] > 0:
+                warnings.warn(f"offload: the step peaked at {self.budget.peak / GIB:.2f} GiB, over "
+                              f"offload.vram_budget_gb = {self.budget.budget / GIB:.2f} GiB", RuntimeWarning,
+                              stacklevel=3)
+
+    # --- the optimizer -----------------------------------------------------------------------------
+    def bind_optimizer(self, optimizer: torch.optim.Optimizer, overlap_backward: bool = False) -> None:
+        """Step the host (optimizer-offloaded) weights unit by unit on a worker thread.
+
+        ``optimizer.step()`` then queues each unit's step and returns: the next forward waits only
+        for the unit it is about to load.  With ``overlap_backward=True`` a unit's step starts as
+        soon as its gradients are on the host, during backward; that requires every backward to be
+        followed by ``after_backward(); optimizer.step()`` with the gradients untouched (no clipping,
+        no accumulation, no data parallel), and the host gradients never appear in ``.grad``.
+        ``optimizer.state_dict()`` waits for the queued steps."""
+        if self.grad_sink is None:
+            raise ValueError("bind_optimizer needs enable_optimizer_cpu_offload=True and trainable weights in the units")
+        if overlap_backward and self.averager is not None:
+            raise ValueError("overlap_backward cannot average gradients over ranks first; bind without it")
+        units = {u.index: [(r.param, m) for r, m in zip(u.tensors, self.streamer.masters[u.index]) if r.trainable]
+                 for u in self.plan.units if u.index in self._trainable_units}
+        self.stepper = HostStepper(optimizer, units)
+        if overlap_backward:
+            self.grad_sink.start_steps(self.stepper, {id(p): u for u, ps in self.stepper.reals.items() for p in ps},
+                                       lambda unit: self._forward_uses.get(unit, 0) > 1)
+        else:
+            self._optimizer_hooks.append(optimizer.register_step_pre_hook(self._queue_host_steps))
+        self._optimizer_hooks.append(optimizer.register_state_dict_pre_hook(lambda opt: self.stepper.join()))
+        self._optimizer_hooks.append(optimizer.register_load_state_dict_pre_hook(
+            lambda opt, state: self.stepper.join()))
+
+    def _queue_host_steps(self, optimizer, args, kwargs) -> None:
+        for unit, reals in self.stepper.reals.items():
+            grads = {id(p): p.grad for p in reals if p.grad is not None}
+            if grads:
+                self.stepper.submit(unit, grads)
+                for p in reals:
+                    p.grad = None  # the worker steps them; optimizer.step() skips them
+
+    def _check_step_order(self, optimizer, args, kwargs) -> None:
+        if self.grad_sink is None or not self.grad_sink.produced:
+            return
+        ours = {id(p) for p in self.plan.host_trainable}
+        if any(id(p) in ours for group in optimizer.param_groups for p in group["params"]):
+            raise RuntimeError("optimizer.step() before OffloadTrainingManager.after_backward(): the gradients of "
+                               "host-resident weights have not landed yet; call after_backward() first")
+
     # --- public verbs ------------------------------------------------------------------------------
     def after_backward(self) -> None:
-        """Evict every streamed unit, land host gradients, average gradients over ranks."""
+        """Land host gradients, average gradients over ranks, close the step (evicting trainable units)."""
         self._check_attached()
         self._release()
         if self.averager is not None:
             self.averager.average()
+        self._end_step()
         self.stats["steps"] += 1
 
-    def detach(self) -> nn.Module:
-        """Remove every hook and give the model back: real weights on their original devices."""
+    def detach(self, restore_frozen: bool = True) -> nn.Module:
+        """Remove every hook and give the model back in place; ``restore_frozen=False`` releases the
+        frozen unit weights (meta tensors) instead of restoring them."""
         self._check_attached()
         self._release()
-        for h in self._handles:
+        if self.stepper is not None:
+            self.stepper.close()
+        self.streamer.evict_all()
+        handles = [h for hs in self._handles.values() for h in hs]
+        for h in handles + self._optimizer_hooks + ([self._order_hook] if self._order_hook else []):
             h.remove()
         if self.grad_sink is not None:
             self.grad_sink.remove()
-        self.plan.restore(self.streamer)
-        if self.streamer.cuda:  # no copy may still read the host memory we are about to free
+        if self.streamer.cuda:  # no copy may still read the host memory we are about to hand back
             torch.cuda.synchronize(self.device)
+        self.plan.restore(self.arena.buffer, frozen=restore_frozen,
+                          in_place=not isinstance(self.arena, SharedHostArena))
         self.arena.release()
         if self.grad_sink is not None:
             self.grad_sink.arena.release()
@@ -226,7 +348,7 @@ class OffloadTrainingManager:
         return self.model
 
     def _release(self) -> None:
-        self.streamer.evict_all()
+        self.streamer.evict_all(keep=lambda u: u.index not in self._trainable_units)
         if self.grad_sink is not None and self.streamer.cuda:
             self.streamer.copy_stream.synchronize()  # the optimizer is about to rewrite host weights
         self.sched.end_step()
@@ -238,13 +360,14 @@ class OffloadTrainingManager:
             self.grad_sink.finish()
 
     def loaded_units(self) -> list[str]:
-        """Names of the streamed units whose weights are on the device right now."""
+        """Names of the streamed units whose weights are in the slots right now."""
         return [u.name for u in self.streamer.loaded_units()]
 
     def report(self) -> dict:
         """Sizes and traffic, for logs and tests."""
+        budget = self.budget
         return {"units": len(self.plan.units), "streamed_units": len(self.plan.streamed),
-                "budget_units": len(self.plan.units) - len(self.plan.streamed),
+                "budget_units": len(self.plan.budget),
                 "streamed_bytes": sum(u.host_bytes for u in self.plan.streamed),
                 "arena_bytes": self.arena.nbytes, "pinned": self.arena.pinned,
                 "arena_shared": isinstance(self.arena, SharedHostArena),
@@ -252,8 +375,23 @@ class OffloadTrainingManager:
                 "h2d_copies": self.streamer.copies if self.streamer else 0,
                 "h2d_bytes": self.streamer.bytes if self.streamer else 0,
                 "stalls": self.streamer.stalls if self.streamer else 0,
-                "d2h_grad_bytes": self.grad_sink.d2h_bytes if self.grad_sink else 0, **self.stats}
+                "d2h_grad_bytes": self.grad_sink.d2h_bytes if self.grad_sink else 0,
+                "fixed_device_bytes": self.plan.fixed_bytes(len(self.streamer.slots)) if self.streamer else None,
+                "budget_bytes": budget.budget if budget else None,
+                "planned_peak_bytes": budget.planned_peak if budget else None,
+                "peak_bytes": budget.peak if budget else None,
+                "gpu_peak_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
+                **self.stats}
 
     def _check_attached(self) -> None:
         if self.streamer is None:
             raise RuntimeError("this OffloadTrainingManager was detached")
+
+
+def _check_options(prefetch: int, vram_budget_gb, split_threshold) -> None:
+    if prefetch < 0:
+        raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+    if vram_budget_gb != "auto" and (isinstance(vram_budget_gb, str) or vram_budget_gb < 0):
+        raise InputError(f"offload.vram_budget_gb must be a number of GiB >= 0 or 'auto', got {vram_budget_gb!r}")
+    if split_threshold is not None and split_threshold <= 0:
+        raise InputError(f"offload.cpu_offload_split_threshold must be > 0 (MB), got {split_threshold!r}")

@@ -7,10 +7,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .arena import HostArena, typed_view
+from .arena import typed_view
+from .quant import dequantize_rows, quantize_rows
 from .units import TensorRecord, Unit, align_up, candidate_modules, find_block_containers, owners_of
 
 GIB = 2**30
+MIB = 2**20
 
 
 @dataclass
@@ -18,14 +20,14 @@ class Plan:
     device: torch.device
     units: list[Unit]  # every unit, execution-order guess (registration order)
     streamed: list[Unit]  # units that go through the slots
-    budget: list[Unit]  # units kept on the device for good (vram_budget_gb)
+    budget: list[Unit]  # units kept on the device (chosen by the budget planner)
     resident_params: list[tuple[nn.Parameter, torch.device]] = field(default_factory=list)
     buffers: list[tuple[nn.Module, str, torch.device]] = field(default_factory=list)
     host_trainable: list[nn.Parameter] = field(default_factory=list)  # optimizer offload
     arena_bytes: int = 0
     blocks: bool = False  # units are children of block containers (their order is the execution order)
     trainable_dtype: torch.dtype | None = None
-    budget_bufs: list[torch.Tensor] = field(default_factory=list)
+    budget_bufs: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def move_resident(self) -> None:
         for p, _ in self.resident_params:
@@ -36,31 +38,71 @@ class Plan:
             buf = mod._buffers[name]
             mod._buffers[name] = moved.setdefault(id(buf), buf.to(self.device))
 
-    def fill_arena(self, arena: HostArena, copy: bool = True) -> None:
-        """Copy every unit's weights into the arena, one tensor at a time, so host RAM never holds
-        more than the arena plus one tensor of the original model.  ``copy=False``: another process
-        filled this (shared) arena; only point the weights at it."""
-        for unit in self.streamed:
+    def fixed_bytes(self, n_slots: int) -> int:
+        """Device bytes the engine places itself: everything outside the units (trainable weights
+        in ``trainable_dtype``), the streaming slots and the widening stage."""
+        resident = 0
+        for p, _ in self.resident_params:
+            size = p.element_size() if not (p.requires_grad and self.trainable_dtype) else \
+                torch.empty((), dtype=self.trainable_dtype).element_size()
+            resident += p.numel() * size
+        buffers = {id(m._buffers[n]): m._buffers[n] for m, n, _ in self.buffers}
+        resident += sum(t.numel() * t.element_size() for t in buffers.values())
+        slots = n_slots * max((u.dev_bytes for u in self.units), default=0)
+        stage = max((u.host_bytes for u in self.units if u.casts), default=0)
+        return resident + slots + stage
+
+    # --- host copies ---------------------------------------------------------------------------
+    def fill_arena(self, arena, copy: bool = True) -> None:
+        """Copy every unit's weights into the arena (fp8 codes + scales where asked), one tensor at a
+        time, dropping each original as it goes: host RAM never holds two copies of the model.
+        ``copy=False``: another process filled this (shared) arena; only point the weights at it."""
+        quantize_on = self.device if self.device.type == "cuda" else None
+        for unit in self.units:
             for rec in unit.tensors:
-                master = typed_view(arena.buffer, unit.host_offset + rec.host_offset, rec.store_dtype, rec.shape)
-                if copy:
+                master = master_view(arena.buffer, unit, rec)
+                if copy and rec.quantized:
+                    src = rec.param.data if quantize_on is None else rec.param.data.to(quantize_on)
+                    q, scales = quantize_rows(src, rec.store_dtype)
+                    master.copy_(q)
+                    scale_view(arena.buffer, unit, rec).copy_(scales)
+                elif copy:
                     master.copy_(rec.param.data)
                 rec.param.data = master
 
-    def load_budget_units(self, arena: HostArena) -> None:
+    # --- device copies kept for good (budget) --------------------------------------------------
+    def set_budget(self, keep: list[Unit], streamer) -> None:
+        """Units in ``keep`` live on the device from now on; the others stream.  Call with nothing
+        loaded in the slots."""
+        wanted = {u.index for u in keep}
         for unit in self.budget:
-            buf = torch.empty(unit.dev_bytes, dtype=torch.uint8, device=self.device)
-            for rec in unit.tensors:
-                view = typed_view(buf, rec.dev_offset, rec.compute_dtype, rec.shape)
-                view.copy_(rec.param.data)
-                rec.param.data = view
-            self.budget_bufs.append(buf)
+            if unit.index not in wanted:
+                streamer.bind_host(unit)
+                del self.budget_bufs[unit.index]
+        for unit in keep:
+            if unit.index not in self.budget_bufs:
+                buf = torch.empty(unit.dev_bytes, dtype=torch.uint8, device=self.device)
+                streamer.copy_to(unit, buf)
+                self.budget_bufs[unit.index] = buf
+        streamer.settle()
+        self.budget = list(keep)
+        self.streamed = [u for u in self.units if u.index not in wanted]
 
-    def restore(self, streamer) -> None:
-        """Real weights back on their original devices and dtypes; buffers keep their updates."""
+    # --- detach ----------------------------------------------------------------------------------
+    def restore(self, arena_buffer: torch.Tensor, frozen: bool = True, in_place: bool = True) -> None:
+        """Weights back on their original devices and dtypes, without a second host copy: a weight
+        stored unchanged in the arena keeps its arena memory (the arena is then only unpinned).
+        ``frozen=False`` drops the frozen unit weights instead (meta tensors: the base is released,
+        only trainable weights come back).  ``in_place=False`` copies every weight out (an arena
+        shared with other processes must not stay under this model's weights).  Buffers keep their
+        updates."""
+        on_device = {u.index for u in self.budget}
         for unit in self.units:
             for rec in unit.tensors:
-                rec.param.data = rec.param.data.to(device=rec.orig_device, dtype=rec.orig_dtype, copy=True)
+                if not frozen and not rec.trainable:
+                    _release(unit.module, rec)
+                else:
+                    rec.param.data = _restored(arena_buffer, unit, rec, unit.index in on_device, in_place)
         self.budget_bufs.clear()
         for p, dev in self.resident_params:
             p.data = p.data.to(dev)
@@ -70,11 +112,41 @@ class Plan:
             mod._buffers[name] = moved.setdefault(id(buf), buf.to(dev))
 
 
+def _release(root: nn.Module, rec: TensorRecord) -> None:
+    """Replace the parameter by a meta one (same shape and dtype, no memory) where it is held."""
+    meta = nn.Parameter(torch.empty(rec.shape, dtype=rec.orig_dtype, device="meta"), requires_grad=False)
+    for mod in root.modules():
+        for name, p in mod._parameters.items():
+            if p is rec.param:
+                mod._parameters[name] = meta
+    rec.param.data = torch.empty(0, dtype=rec.param.dtype)  # the old object must not keep the arena alive
+
+
+def _restored(arena_buffer: torch.Tensor, unit: Unit, rec: TensorRecord, on_device: bool,
+              in_place: bool) -> torch.Tensor:
+    data = rec.param.data
+    if on_device:  # a device copy (already widened)
+        return data.to(device=rec.orig_device, dtype=rec.orig_dtype, copy=True)
+    if rec.quantized:
+        return dequantize_rows(data, scale_view(arena_buffer, unit, rec), rec.orig_dtype).to(rec.orig_device)
+    if in_place and data.dtype == rec.orig_dtype and rec.orig_device.type == "cpu":
+        return data  # in place: the arena's memory becomes the weight's memory
+    return data.to(device=rec.orig_device, dtype=rec.orig_dtype, copy=True)
+
+
+def master_view(buf: torch.Tensor, unit: Unit, rec: TensorRecord) -> torch.Tensor:
+    return typed_view(buf, unit.host_offset + rec.host_offset, rec.store_dtype, rec.shape)
+
+
+def scale_view(buf: torch.Tensor, unit: Unit, rec: TensorRecord) -> torch.Tensor:
+    return typed_view(buf, unit.host_offset + rec.scale_offset, torch.float32, torch.Size([rec.shape[0]]))
+
+
 def build_plan(model: nn.Module, device: torch.device, granularity: str, block_container_names,
-               optimizer_offload: bool, storage_dtype, vram_budget_gb: float,
-               trainable_dtype: torch.dtype | None = None) -> Plan:
+               optimizer_offload: bool, storage_dtype, trainable_dtype: torch.dtype | None = None,
+               split_bytes: int | None = None) -> Plan:
     owners = owners_of(model)
-    candidates = candidate_modules(model, granularity, block_container_names)
+    candidates = candidate_modules(model, granularity, block_container_names, split_bytes)
     claimed = _claims(candidates)
     units, unit_param_ids = [], set()
     for name, mod in candidates:
@@ -86,9 +158,8 @@ def build_plan(model: nn.Module, device: torch.device, granularity: str, block_c
         if unit.tensors:
             unit.layout()
             units.append(unit)
-    plan = Plan(device, units, [], [], trainable_dtype=trainable_dtype,
+    plan = Plan(device, units, list(units), [], trainable_dtype=trainable_dtype,
                 blocks=granularity == "block" and bool(find_block_containers(model, block_container_names)))
-    _split_budget(plan, vram_budget_gb)
     _place_in_arena(plan)
     seen: set[int] = set()
     for p in model.parameters():  # parameters() de-duplicates shared parameters
@@ -96,7 +167,7 @@ def build_plan(model: nn.Module, device: torch.device, granularity: str, block_c
             seen.add(id(p))
             plan.resident_params.append((p, p.device))
     plan.buffers = [(mod, n, b.device) for mod in model.modules() for n, b in mod._buffers.items() if b is not None]
-    plan.host_trainable = [r.param for u in plan.streamed for r in u.tensors if r.trainable]
+    plan.host_trainable = [r.param for u in plan.units for r in u.tensors if r.trainable]
     return plan
 
 
@@ -122,29 +193,15 @@ def _subtree_params(mod: nn.Module):
 def _record(p: nn.Parameter, storage_dtype) -> TensorRecord:
     store = p.dtype
     if storage_dtype is not None and not p.requires_grad and p.dtype.is_floating_point:
-        store = storage_dtype
+        # fp8 codes need a row to scale: 1-D tensors (biases, norm scales) keep their dtype.
+        if p.dim() >= 2 or storage_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            store = storage_dtype
     return TensorRecord(p, p.shape, p.dtype, p.device, store, p.dtype)
 
 
 def _place_in_arena(plan: Plan) -> None:
     off = 0
-    for unit in plan.streamed:  # budget units go straight to the device: no host copy
+    for unit in plan.units:  # every unit has a host copy; budget units also get a device copy
         unit.host_offset = off
         off = align_up(off + unit.host_bytes)
     plan.arena_bytes = off
-
-
-def _split_budget(plan: Plan, vram_budget_gb: float) -> None:
-    """Keep as many units resident as the budget allows, evenly spaced over the order (so the
-    copies of the streamed ones overlap the compute of the resident ones between them)."""
-    n, budget = len(plan.units), int(vram_budget_gb * GIB)
-    avg = sum(u.dev_bytes for u in plan.units) / max(n, 1)
-    k = min(n, int(budget // avg)) if avg else 0
-    while k > 0:
-        picks = {int((i + 0.5) * n / k) for i in range(k)}
-        if sum(plan.units[i].dev_bytes for i in picks) <= budget:
-            break
-        k -= 1
-    picks = {int((i + 0.5) * n / k) for i in range(k)} if k else set()
-    plan.budget = [u for u in plan.units if u.index in picks and not any(r.trainable for r in u.tensors)]
-    plan.streamed = [u for u in plan.units if u not in plan.budget]

@@ -44,7 +44,7 @@ _counter = itertools.count()  # managers attached by this process, to name their
 class SharedHostArena(HostArena):
     """A ``HostArena`` whose bytes are a ``MAP_SHARED`` mapping of a ``/dev/shm`` file."""
 
-    def __init__(self, path: str, nbytes: int, pin: bool, create: bool):
+    def __init__(self, path: str, nbytes: int, create: bool):
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
@@ -56,8 +56,6 @@ class SharedHostArena(HostArena):
         self.nbytes, self.path, self.pinned = nbytes, path, False
         self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
         self.leader = create
-        if pin:
-            self._register()
 
     def release(self) -> None:
         super().release()
@@ -85,22 +83,24 @@ def shared_host_arena(plan, pin: bool):
     if bad:
         raise RuntimeError(f"offload: ranks {bad} hold other frozen weights than rank {leader} on the same machine; "
                            "data-parallel training needs every rank to load the same base model")
-    arena = _map_shared(plan, pin, rank, leader, local)
+    arena = _map_shared(plan, rank, leader, local)
     if arena is not None:
         plan.fill_arena(arena, copy=arena.leader)
     dist.barrier()  # the leader's copy is complete before anyone computes with it
+    if arena is not None and pin:
+        arena.pin()  # after the fill: each process page-locks its own mapping of the filled pages
     return arena
 
 
-def _map_shared(plan, pin: bool, rank: int, leader: int, local: list[int]) -> SharedHostArena | None:
+def _map_shared(plan, rank: int, leader: int, local: list[int]) -> SharedHostArena | None:
     name = f"splitflow-arena-{uuid.uuid4().hex[:12]}-{leader}-{next(_counter)}"
     path = os.path.join(SHM_DIR, name)
     arena, error = None, None
     if rank == leader:
-        arena, error = _try(lambda: _create(path, plan.arena_bytes, pin))
+        arena, error = _try(lambda: _create(path, plan.arena_bytes))
     created = _gather(path if arena is not None else None)[leader]
     if rank != leader and created is not None:
-        arena, error = _try(lambda: SharedHostArena(created, plan.arena_bytes, pin, create=False))
+        arena, error = _try(lambda: SharedHostArena(created, plan.arena_bytes, create=False))
     mapped = _gather(arena is not None)
     if rank == leader and created is not None:
         os.unlink(created)  # every local rank has mapped it (or given up): the name is no longer needed
@@ -113,12 +113,12 @@ def _map_shared(plan, pin: bool, rank: int, leader: int, local: list[int]) -> Sh
     return None
 
 
-def _create(path: str, nbytes: int, pin: bool) -> SharedHostArena:
+def _create(path: str, nbytes: int) -> SharedHostArena:
     free = os.statvfs(SHM_DIR)
     if free.f_bavail * free.f_frsize < nbytes:
         raise OSError(f"{SHM_DIR} has {free.f_bavail * free.f_frsize / 2**30:.1f} GiB free, "
                       f"the weights need {nbytes / 2**30:.1f} GiB (docker: --shm-size)")
-    return SharedHostArena(path, nbytes, pin, create=True)
+    return SharedHostArena(path, nbytes, create=True)
 
 
 def _try(make):

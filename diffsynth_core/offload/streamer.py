@@ -4,8 +4,8 @@ A slot is a preallocated device buffer big enough for the largest unit; a unit i
 parameters' ``.data`` point into a slot and *evicted* when they point back at their host master
 (a pointer swap: frozen weights never travel device->host).
 
-Every unit has a fixed *home* slot (round robin over the execution order), and is only ever loaded
-there.  That is what makes training without gradient checkpointing correct: autograd saves views of
+Every streamed unit has a fixed *home* slot (round robin over the execution order), and is only
+ever loaded there.  That is what makes training without gradient checkpointing correct: autograd saves views of
 weights (``weight.t()`` inside ``F.linear``) that keep pointing into the slot after the unit is
 evicted; since the unit comes back to the same slot, at the same offsets, before its backward runs,
 those views read the right bytes again.  On CUDA the copy runs on a private
@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .arena import HostArena, typed_view
+from .arena import typed_view
+from .plan import master_view, scale_view
+from .quant import dequantize_rows
 from .units import Unit
 
 
@@ -28,26 +30,28 @@ from .units import Unit
 class Slot:
     index: int
     buf: torch.Tensor  # uint8, compute layout
-    stage: torch.Tensor | None  # uint8, store layout (only when some unit casts on the device)
     occupant: Unit | None = None
     free_event: object | None = None  # torch.cuda.Event recorded when the occupant was evicted
     views: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
 
 class Streamer:
-    def __init__(self, units: list[Unit], arena: HostArena, device: torch.device, n_slots: int,
+    def __init__(self, units: list[Unit], arena, device: torch.device, n_slots: int,
                  poison_evicted: bool = False):
+        """``units``: every unit (any of them may stream); slots fit the largest."""
         self.device, self.arena, self.poison = device, arena, poison_evicted
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.ready: dict[int, object] = {}  # unit index -> ready event (CUDA)
         self.slot_of: dict[int, Slot] = {}
-        self.masters = {u.index: [typed_view(arena.buffer, u.host_offset + r.host_offset, r.store_dtype, r.shape)
-                                  for r in u.tensors] for u in units}
+        self.units = {u.index: u for u in units}
+        self.masters = {u.index: [master_view(arena.buffer, u, r) for r in u.tensors] for u in units}
         size = max((u.dev_bytes for u in units), default=0)
         stage = max((u.host_bytes for u in units if u.casts), default=0)
-        self.slots = [Slot(i, torch.empty(size, dtype=torch.uint8, device=device),
-                           torch.empty(stage, dtype=torch.uint8, device=device) if stage else None)
+        # One staging buffer is enough: the copy into it and the widening out of it run in order on
+        # the copy stream, so the next copy cannot overwrite it before the last widening read it.
+        self.stage = torch.empty(stage, dtype=torch.uint8, device=device) if stage else None
+        self.slots = [Slot(i, torch.empty(size, dtype=torch.uint8, device=device))
                       for i in range(n_slots if units else 0)]
         self.home = {u.index: i % max(len(self.slots), 1) for i, u in enumerate(units)}
         self.copies = 0
@@ -83,10 +87,10 @@ class Streamer:
             with torch.cuda.stream(self.copy_stream):
                 if slot.free_event is not None:
                     self.copy_stream.wait_event(slot.free_event)
-                self._copy(unit, slot, views)
+                self._copy(unit, slot.buf, views)
                 self.ready[unit.index] = self.copy_stream.record_event()
         else:
-            self._copy(unit, slot, views)
+            self._copy(unit, slot.buf, views)
         for rec, view in zip(unit.tensors, views):
             rec.param.data = view
         slot.occupant = unit
@@ -94,14 +98,35 @@ class Streamer:
         self.copies += 1
         self.bytes += unit.host_bytes
 
-    def _copy(self, unit: Unit, slot: Slot, views: list[torch.Tensor]) -> None:
+    def _copy(self, unit: Unit, buf: torch.Tensor, views: list[torch.Tensor]) -> None:
         src = self.arena.region(unit.host_offset, unit.host_bytes)
         if not unit.casts:  # identical layouts: one copy lands every tensor in place
-            slot.buf.narrow(0, 0, unit.host_bytes).copy_(src, non_blocking=True)
+            buf.narrow(0, 0, unit.host_bytes).copy_(src, non_blocking=True)
             return
-        slot.stage.narrow(0, 0, unit.host_bytes).copy_(src, non_blocking=True)
+        self.stage.narrow(0, 0, unit.host_bytes).copy_(src, non_blocking=True)
         for rec, view in zip(unit.tensors, views):  # widen e.g. fp8 storage to bf16 compute, on the device
-            view.copy_(typed_view(slot.stage, rec.host_offset, rec.store_dtype, rec.shape))
+            stored = typed_view(self.stage, rec.host_offset, rec.store_dtype, rec.shape)
+            if rec.quantized:
+                scales = typed_view(self.stage, rec.scale_offset, torch.float32, torch.Size([rec.shape[0]]))
+                dequantize_rows(stored, scales, rec.compute_dtype, out=view)
+            else:
+                view.copy_(stored)
+
+    def copy_to(self, unit: Unit, buf: torch.Tensor) -> None:
+        """Copy ``unit`` into ``buf`` (a device buffer of its own, kept for good) and point it there."""
+        views = [typed_view(buf, r.dev_offset, r.compute_dtype, r.shape) for r in unit.tensors]
+        if self.cuda:
+            with torch.cuda.stream(self.copy_stream):
+                self._copy(unit, buf, views)
+        else:
+            self._copy(unit, buf, views)
+        for rec, view in zip(unit.tensors, views):
+            rec.param.data = view
+
+    def settle(self) -> None:
+        """Compute issued from now on sees every copy issued so far."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
 
     def wait_ready(self, unit: Unit) -> None:
         """Make the current (compute) stream wait until ``unit``'s copy has landed."""
@@ -139,12 +164,17 @@ class Streamer:
         return slot
 
     def rehome(self, order: list[int]) -> None:
-        """Homes round robin over ``order`` (unit indices as executed); only while nothing is loaded."""
-        assert not self.slot_of
+        """Homes round robin over ``order`` (streamed unit indices as executed); evicts whatever
+        would no longer sit in its home."""
         n = max(len(self.slots), 1)
-        for i, idx in enumerate(order):
-            self.home[idx] = i % n
-
-    def evict_all(self) -> None:
+        new = {idx: i % n for i, idx in enumerate(order)}
         for slot in self.slots:
-            self.evict(slot)
+            if slot.occupant is not None and new.get(slot.occupant.index) != slot.index:
+                self.evict(slot)
+        self.home.update(new)
+
+    def evict_all(self, keep=None) -> None:
+        """Evict every occupant, except those for which ``keep(unit)`` is true."""
+        for slot in self.slots:
+            if slot.occupant is not None and not (keep is not None and keep(slot.occupant)):
+                self.evict(slot)

@@ -2,10 +2,12 @@
 
 A *unit* is the smallest group of weights that is copied to the device in one piece: a child of
 one of the model's ModuleLists of blocks (``granularity="block"``) or a parameter-owning leaf
-module (``granularity="leaf"``).  Everything the units do not own exclusively (parameters shared
-between units, parameters owned by non-leaf modules outside units, all buffers) is *resident*:
-moved to the target device once at attach, because it may be read by code that fires no hook
-(a root ``forward`` reading ``scale_shift_table``, a buffer mutated in place, ...).
+module (``granularity="leaf"``).  With a split threshold, a unit larger than the threshold (bytes)
+is replaced by its parameter-owning children, recursively, down to leaves.  Everything the units
+do not own exclusively (parameters shared between units, parameters owned directly by non-leaf
+modules outside units or by a split module, all buffers) is *resident*: moved to the target device
+once at attach, because it may be read by code that fires no hook (a root ``forward`` reading
+``scale_shift_table``, a buffer mutated in place, ...).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from .quant import FP8_MAX
 
 ALIGN = 64  # bytes; every tensor starts on a 64-byte boundary inside a unit's region
 
@@ -34,6 +38,7 @@ class TensorRecord:
     compute_dtype: torch.dtype  # dtype the forward sees
     host_offset: int = 0  # into the unit's host region (store layout; also the staging layout)
     dev_offset: int = 0  # into a device slot (compute layout)
+    scale_offset: int = -1  # per-row float32 scales after the data in the host region (fp8 storage)
 
     @property
     def numel(self) -> int:
@@ -46,6 +51,11 @@ class TensorRecord:
     @property
     def needs_cast(self) -> bool:
         return self.store_dtype != self.compute_dtype
+
+    @property
+    def quantized(self) -> bool:
+        """Stored as fp8 codes with one power-of-two scale per row (see ``quant``)."""
+        return self.store_dtype in FP8_MAX
 
 
 @dataclass(eq=False)
@@ -65,6 +75,9 @@ class Unit:
         for rec in self.tensors:
             rec.host_offset = host
             host = align_up(host + rec.numel * _itemsize(rec.store_dtype))
+            if rec.quantized:
+                rec.scale_offset = host
+                host = align_up(host + rec.shape[0] * 4)
             rec.dev_offset = dev
             dev = align_up(dev + rec.numel * _itemsize(rec.compute_dtype))
         self.host_bytes, self.dev_bytes = host, dev
@@ -107,8 +120,29 @@ def find_block_containers(model: nn.Module, names: tuple[str, ...] | list[str] |
     return found
 
 
-def candidate_modules(model: nn.Module, granularity: str, block_container_names) -> list[tuple[str, nn.Module]]:
-    """Modules that become units, in registration order (a first guess at execution order)."""
+def candidate_modules(model: nn.Module, granularity: str, block_container_names,
+                      split_bytes: int | None = None) -> list[tuple[str, nn.Module]]:
+    """Modules that become units, in registration order (a first guess at execution order);
+    those over ``split_bytes`` are split into their children, recursively."""
+    found = _base_candidates(model, granularity, block_container_names)
+    if split_bytes is None:
+        return found
+    return [piece for name, mod in found for piece in _split(name, mod, split_bytes)]
+
+
+def _split(name: str, mod: nn.Module, limit: int) -> list[tuple[str, nn.Module]]:
+    children = [(f"{name}.{n}", c) for n, c in mod.named_children() if next(c.parameters(), None) is not None]
+    if not children or module_bytes(mod) <= limit:
+        return [(name, mod)]
+    return [piece for cname, child in children for piece in _split(cname, child, limit)]
+
+
+def module_bytes(mod: nn.Module) -> int:
+    """Bytes of the distinct parameters under ``mod``."""
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in mod.parameters()}.values())
+
+
+def _base_candidates(model: nn.Module, granularity: str, block_container_names) -> list[tuple[str, nn.Module]]:
     if granularity == "block":
         containers = find_block_containers(model, block_container_names)
         if containers:

@@ -42,6 +42,9 @@ class TrainResult:
     resumed_from: int
     losses: list[float] = field(default_factory=list)
     ema: dict[str, torch.Tensor] | None = None  # EMA of the trainable weights by name (train.ema_decay)
+    # Under offload the engine stays attached, so an export can read the adapters without
+    # restoring the frozen base; ``offload.detach()`` gives the model back (in place).
+    offload: Any = None
 
 
 @dataclass
@@ -134,10 +137,9 @@ class Trainer:
             bar.close()
         if metrics is not None:
             metrics.close()
-        if prepared.offload is not None:
-            prepared.offload.detach()  # real weights back in the module for export
         averaged = ema.state_dict() if ema is not None else None
-        return TrainResult(prepared.model, prepared.lora_config, step, resumed_from, losses, averaged)
+        return TrainResult(prepared.model, prepared.lora_config, step, resumed_from, losses, averaged,
+                           offload=prepared.offload)
 
     def make_sampler(self, batch_size: int | None = None) -> BucketSampler:
         """The run's batch order (``batch_size`` overrides ``train.batch_size``: benchmarks)."""

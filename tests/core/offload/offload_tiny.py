@@ -87,6 +87,17 @@ def tiny_dit(family: str, seed: int = 0) -> tuple[nn.Module, tuple[str, ...], di
     raise ValueError(family)
 
 
+def budget_for(model, extra_bytes: float, **opts) -> float:
+    """A ``vram_budget_gb`` that leaves ``extra_bytes`` for resident units on a CPU target (where the
+    engine counts only what it placed itself: weights outside the units and the slots)."""
+    from diffsynth_core.offload import OffloadTrainingManager
+
+    probe = OffloadTrainingManager(model, "cpu", **opts)
+    fixed = probe.report()["fixed_device_bytes"]
+    probe.detach()
+    return (fixed + extra_bytes) / 2**30
+
+
 def out_tensor(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 

@@ -7,7 +7,7 @@ import torch
 
 from diffsynth_core.gradient import apply_gradient_checkpointing
 from diffsynth_core.offload import OffloadTrainingManager
-from offload_tiny import ToyStack, add_lora, out_tensor, tiny_dit, train
+from offload_tiny import ToyStack, add_lora, budget_for, out_tensor, tiny_dit, train
 
 
 def _assert_same(a, b):
@@ -27,9 +27,13 @@ def _toy(seed=0):
 
 
 def _toy_run(engine: bool, checkpoint: bool, **opts):
+    opts = dict(opts)
     model = _toy()
     if checkpoint:
         apply_gradient_checkpointing(model, ("blocks",))
+    if opts.pop("budget_units", None):  # room for two of the five blocks: planned at step 2
+        unit = sum(p.numel() * 4 for p in model.blocks[0].parameters() if not p.requires_grad)
+        opts["vram_budget_gb"] = budget_for(model, 2 * unit)
     mgr = OffloadTrainingManager(model, "cpu", poison_evicted=True, **opts) if engine else None
     x = torch.randn(6, 16, generator=torch.Generator().manual_seed(1))
     result = train(model, 3, lambda s, m: model(x + s).pow(2).mean(), mgr)
@@ -38,11 +42,16 @@ def _toy_run(engine: bool, checkpoint: bool, **opts):
 
 @pytest.mark.parametrize("checkpoint", [False, True])
 @pytest.mark.parametrize("opts", [dict(), dict(granularity="leaf"), dict(prefetch=0), dict(prefetch=3),
-                                  dict(vram_budget_gb=1e-5)], ids=["block", "leaf", "p0", "p3", "budget"])
+                                  dict(budget_units=2), dict(storage_dtype=torch.float32, cpu_offload_split_threshold=1e-3)],
+                         ids=["block", "leaf", "p0", "p3", "budget", "split"])
 def test_toy_lora_training_is_bitwise_identical(checkpoint, opts):
     ref, ref_model, _ = _toy_run(False, checkpoint)
     got, model, mgr = _toy_run(True, checkpoint, **opts)
     _assert_same(ref, got)
+    if opts.get("budget_units"):
+        assert mgr.report()["budget_units"] == 2
+    if opts.get("cpu_offload_split_threshold"):
+        assert "blocks.0.up.base_layer" in {u.name for u in mgr.plan.units}
     mgr.detach()
     for (k, a), (_, b) in zip(ref_model.state_dict().items(), model.state_dict().items()):
         assert torch.equal(a, b), k

@@ -8,6 +8,8 @@ from torch import nn
 
 from diffsynth_core.gradient import apply_gradient_checkpointing
 from diffsynth_core.offload import OffloadTrainingManager
+from diffsynth_core.errors import InputError
+from diffsynth_core.offload.quant import dequantize_rows, quantize_rows
 from offload_tiny import ToyStack, add_lora, out_tensor, train
 
 pytestmark = pytest.mark.gpu
@@ -121,15 +123,71 @@ def test_fp8_storage_on_cuda():
     ref = ToyStack(d=64).to(torch.bfloat16)
     ref.load_state_dict(model.state_dict())
     ref.offset = model.offset
-    for blk in ref.blocks:
+    for blk in ref.blocks:  # the CPU's per-row quantization, widened on the CPU: the device must agree
         for p in blk.parameters():
-            p.data = p.data.to(torch.float8_e4m3fn).to(torch.bfloat16)
+            if p.dim() == 2:
+                p.data = dequantize_rows(*quantize_rows(p.data, torch.float8_e4m3fn), torch.bfloat16)
     ref.to(CUDA)
     mgr = OffloadTrainingManager(model, CUDA, storage_dtype=torch.float8_e4m3fn)
     x = torch.randn(4, 64, device=CUDA, dtype=torch.bfloat16)
     with torch.no_grad():
         torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
     mgr.detach()
+
+
+def test_budget_keeps_the_peak_under_it_and_plans_the_bytes_it_copies():
+    torch.manual_seed(0)
+    model = add_lora(ToyStack(d=1024, n=12).to(torch.bfloat16), ["up", "down"])
+    model.offset = model.offset.to(CUDA, torch.bfloat16)
+    apply_gradient_checkpointing(model, ("blocks",))
+    unit = sum(p.numel() * 2 for p in model.blocks[0].parameters() if not p.requires_grad)
+    x = torch.randn(256, 1024, device=CUDA, dtype=torch.bfloat16)
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    # Room for the step itself (~ 2 slots + LoRA state + activations) and about half the blocks.
+    budget = base + 12 * unit / 2 + 3 * 2**20 + 0.3 * 2**30
+    mgr = OffloadTrainingManager(model, CUDA, vram_budget_gb=budget / 2**30, trainable_dtype=torch.float32)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    for _ in range(4):
+        model(x).float().pow(2).mean().backward()
+        mgr.after_backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    rep = mgr.report()
+    assert 0 < rep["budget_units"] <= 12
+    assert rep["peak_bytes"] <= budget and torch.cuda.max_memory_allocated() <= budget
+    assert rep["planned_h2d_bytes_per_step"] == rep["last_step_h2d_bytes"]
+    mgr.detach()
+    big = torch.randn(65536, 1024, device=CUDA, dtype=torch.bfloat16)  # 1.6 GB of checkpointed inputs
+    mgr = OffloadTrainingManager(model, CUDA, vram_budget_gb=budget / 2**30, trainable_dtype=torch.float32)
+    with pytest.raises(InputError, match="vram_budget_gb .* cannot hold one training step"):
+        for _ in range(2):  # measured in the first step, refused at the start of the second
+            model(big).float().pow(2).mean().backward()
+            mgr.after_backward()
+    mgr.detach()
+
+
+def test_bound_optimizer_on_cuda_matches_stepping_after_backward():
+    def run(bind):
+        torch.manual_seed(0)
+        model = ToyStack(d=256, n=6)
+        model.offset = model.offset.to(CUDA)
+        mgr = OffloadTrainingManager(model, CUDA, enable_optimizer_cpu_offload=True, poison_evicted=True)
+        opt = torch.optim.AdamW([p for p in model.parameters()], lr=1e-3, fused=True)
+        if bind:
+            mgr.bind_optimizer(opt, overlap_backward=bind == "early")
+        xs = [torch.randn(64, 256, generator=torch.Generator().manual_seed(i)).to(CUDA) for i in range(4)]
+        for x in xs:
+            model(x).pow(2).mean().backward()
+            mgr.after_backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        mgr.detach()
+        return model.state_dict()
+    ref = run(None)
+    for mode in ("late", "early"):
+        got = run(mode)
+        assert all(torch.equal(ref[k].cpu(), got[k].cpu()) for k in ref if k != "calls"), mode
 
 
 def _nccl_worker(rank, init_file, out_dir, optimizer_offload):

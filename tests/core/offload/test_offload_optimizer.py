@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from diffsynth_core.offload import OffloadTrainingManager
@@ -90,4 +91,75 @@ def test_lora_parameters_are_upcast_to_fp32_on_a_bf16_base():
     mgr.after_backward()
     opt.step()
     assert all(s["exp_avg"].dtype == torch.float32 for s in opt.state.values())
+    mgr.detach()
+
+
+def _scheduled_run(bind: bool | None, steps: int = 3):
+    """AdamW with an lr that changes every step; ``bind``: None = no engine, else the engine with
+    the optimizer bound (``overlap_backward=bind``)."""
+    model = _model()
+    mgr = None
+    if bind is not None:
+        mgr = OffloadTrainingManager(model, "cpu", enable_optimizer_cpu_offload=True, poison_evicted=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    if mgr is not None:
+        mgr.bind_optimizer(opt, overlap_backward=bind)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    losses = []
+    for step in range(steps):
+        loss = model(_data(step, 0)).pow(2).mean()
+        loss.backward()
+        if mgr is not None:
+            mgr.after_backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    state = opt.state_dict()  # waits for the queued host steps
+    if mgr is not None:
+        mgr.detach()
+    return losses, model.state_dict(), state
+
+
+@pytest.mark.parametrize("overlap_backward", [False, True])
+def test_bound_optimizer_steps_units_on_a_worker_and_is_bitwise_identical(overlap_backward):
+    ref, got = _scheduled_run(None), _scheduled_run(overlap_backward)
+    assert all(torch.equal(a, b) for a, b in zip(ref[0], got[0]))
+    assert all(torch.equal(ref[1][k], got[1][k]) for k in ref[1] if k != "calls")
+    for i, s in ref[2]["state"].items():  # one optimizer state, checkpointable as usual
+        assert all(torch.equal(s[k], got[2]["state"][i][k]) for k in s)
+
+
+def test_overlapped_steps_start_during_backward():
+    model = _model()
+    mgr = OffloadTrainingManager(model, "cpu", enable_optimizer_cpu_offload=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    mgr.bind_optimizer(opt, overlap_backward=True)
+    queued = {}
+
+    def when_embed_gets_its_gradient(grad):  # the embed runs first, so its backward comes last
+        queued["units"] = set(mgr.stepper._jobs)
+    h = model.embed.weight.register_hook(when_embed_gets_its_gradient)
+    model(_data(0, 0)).pow(2).mean().backward()
+    h.remove()
+    # Every block's step is already queued, except blocks[0]'s: it runs twice a forward, so its
+    # gradient may come in two pieces (on CUDA), and its step waits for after_backward().
+    assert queued["units"] == {u.index for u in mgr.plan.units} - {0}
+    mgr.after_backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match="accumulation"):
+        for micro in range(2):  # overlap_backward steps after every backward: no accumulation
+            model(_data(1, micro)).pow(2).mean().backward()
+    mgr.detach()
+
+
+def test_optimizer_step_before_after_backward_raises():
+    model = _model()
+    mgr = OffloadTrainingManager(model, "cpu", enable_optimizer_cpu_offload=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(_data(0, 0)).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match="after_backward"):
+        opt.step()
+    mgr.after_backward()
+    opt.step()  # in order: fine
     mgr.detach()

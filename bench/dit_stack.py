@@ -1,0 +1,126 @@
+"""The DiT-like LoRA stack both sides of ``bench/side_by_side.py`` train, and how they are timed.
+
+24 single-stream blocks of width 3072 (pre-norm attention with 24 heads + a 4x MLP: 12·w² weights,
+226 MB in bf16 each), 4096 tokens, gradient checkpointing per block, a rank-32 LoRA on every
+Linear.  The LoRA is a forward replacement (as musubi-tuner's ``networks/lora.py`` does): the
+adapters live outside the blocks, in fp32, and the block's own ``nn.Linear`` keeps its weight, so
+any block-swapping scheme (ours, or musubi's, which streams exactly the blocks' ``*Linear``
+weights) sees the same modules and both compute bitwise the same thing.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class Block(nn.Module):
+    """Single-stream DiT block: pre-norm attention + MLP (12·w² parameters)."""
+
+    def __init__(self, w: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(w, 3 * w), nn.Linear(w, w)
+        self.up, self.down = nn.Linear(w, 4 * w), nn.Linear(4 * w, w)
+
+    def forward(self, x):
+        b, n, w = x.shape
+        q, k, v = self.qkv(F.layer_norm(x, (w,))).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, w)
+        x = x + self.out(a)
+        return x + self.down(F.gelu(self.up(F.layer_norm(x, (w,))), approximate="tanh"))
+
+
+class LoRA(nn.Module):
+    """``org(x) + up(down(x))`` with fp32 adapters, installed by replacing ``org.forward``."""
+
+    def __init__(self, org: nn.Linear, rank: int, generator: torch.Generator):
+        super().__init__()
+        dev = org.weight.device
+        self.down = nn.Parameter(torch.randn(rank, org.in_features, generator=generator, device=dev) / rank)
+        self.up = nn.Parameter(torch.randn(org.out_features, rank, generator=generator, device=dev) * 1e-3)
+        self.org_forward = org.forward  # reads org.weight at call time: any swap of it is seen
+        org.forward = self.forward
+
+    def forward(self, x):
+        return self.org_forward(x) + F.linear(F.linear(x.float(), self.down), self.up).to(x.dtype)
+
+
+class Stack(nn.Module):
+    def __init__(self, n: int, w: int, heads: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(w, heads) for _ in range(n))
+        self.loras = nn.ModuleList()
+
+    def add_lora(self, rank: int, seed: int = 0) -> None:
+        g = torch.Generator(self.blocks[0].qkv.weight.device).manual_seed(seed)
+        for blk in self.blocks:
+            for lin in (blk.qkv, blk.out, blk.up, blk.down):
+                self.loras.append(LoRA(lin, rank, g))
+
+    def forward(self, x, between=None):
+        """``between(i, phase)`` is called before ("pre") and after ("post") block i (musubi's hooks)."""
+        for i, blk in enumerate(self.blocks):
+            if between is not None:
+                between(i, "pre")
+            x = blk(x)
+            if between is not None:
+                between(i, "post")
+        return x
+
+
+SIZES = {"full": (24, 3072, 4096), "quick": (6, 1024, 1024)}
+
+
+def build(size: str, device: torch.device, seed: int = 0) -> tuple[Stack, torch.Tensor]:
+    """The stack in bf16 on ``device`` (random weights), LoRA r32, and its input."""
+    n, w, tokens = SIZES[size]
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Stack(n, w, w // 128).to(torch.bfloat16)
+    model.requires_grad_(False)
+    model.add_lora(32, seed)
+    x = torch.randn(1, tokens, w, generator=torch.Generator().manual_seed(seed + 1)).to(device, torch.bfloat16)
+    return model, x
+
+
+def timed_steps(step, device: torch.device, steps: int, warmup: int) -> dict:
+    """Run ``step()`` (one optimizer step, returns the loss) ``warmup + steps`` times; median wall
+    time per step and ``max_memory_allocated`` over the timed steps."""
+    cuda = device.type == "cuda"
+    times, losses = [], []
+    for i in range(warmup + steps):
+        if i == warmup and cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        losses.append(float(step()))
+        if cuda:
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated(device) if cuda else None
+    return {"step_s": statistics.median(times[warmup:]), "step_s_all": times, "peak_gib": peak and peak / 2**30,
+            "losses": losses}
+
+
+def pinned_bandwidth(device: torch.device, nbytes: int = 2**30, reps: int = 10) -> float | None:
+    """GB/s of one host->device copy from a page-locked buffer (median of ``reps``)."""
+    if device.type != "cuda":
+        return None
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(reps + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dev.copy_(host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return nbytes / statistics.median(times[1:]) / 1e9

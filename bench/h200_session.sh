@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The H200 runs behind bench/results/*_h200.json, from the repository root on a CUDA machine:
+#   bench/h200_session.sh benches MUSUBI_FILE   # side by side with musubi, Qwen-Image 20B, optimizer, fp8, determinism
+#   bench/h200_session.sh e2e                   # splitflow run, full-depth Qwen-Image folder
+# MUSUBI_FILE is musubi-tuner's src/musubi_tuner/modules/custom_offloading_utils.py (not shipped here).
+# JSON lands in $OUT (default ./h200-out); each step has its own time limit inside one overall deadline.
+set -u
+OUT=${OUT:-./h200-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+deadline=$((SECONDS + ${BUDGET_S:-570}))
+left() { echo $((deadline - SECONDS)); }
+case "$1" in
+benches)
+  nvidia-smi --query-gpu=name,memory.used,memory.total,pcie.link.gen.current,pcie.link.width.current \
+    --format=csv > "$OUT/gpu.txt" 2>&1
+  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/core/offload/test_offload_gpu.py \
+    > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
+  timeout 170 python3 -m bench.side_by_side --musubi-file "$2" --out "$OUT/side_by_side_h200.json" > /dev/null
+  timeout "$(left)" python3 -m bench.offload --cases optim,qwen20b,fp8_loss,determinism \
+    --out "$OUT/offload_h200.json" > /dev/null
+  ;;
+e2e)
+  timeout "$(left)" python3 -m bench.e2e_gpu --workdir /tmp/splitflow-e2e --out "$OUT/e2e_h200.json" \
+    --set offload.vram_budget_gb=22.35 > "$OUT/e2e_log.txt" 2>&1; tail -5 "$OUT/e2e_log.txt"
+  ;;
+esac
+python3 bench/summarise_h200.py "$OUT"

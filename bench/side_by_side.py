@@ -1,0 +1,143 @@
+"""Our engine and musubi-tuner's H2D-only ``LoRAStreamOffloader``, side by side, each in its own process.
+
+    python -m bench.side_by_side --musubi-file .dev/custom_offloading_utils.py [--size quick] [--out F]
+
+The same 24x3072 LoRA stack (``bench/dit_stack.py``: 4096 tokens, checkpointing, LoRA r32 on every
+Linear, fused AdamW on the adapters) is trained in separate processes: all weights resident; our
+engine with every block streamed (blocks as units; and split into Linears by
+``cpu_offload_split_threshold``, which shrinks the slots); fp8 storage; a GPU budget that keeps 12
+of the 24 blocks resident; and musubi's offloader (``bench/musubi_harness.py``) with 24 and with 12
+blocks swapped.  Prints one JSON document: s/step (median), peak ``max_memory_allocated``,
+host->device bytes per step, and ratios to ``bound = max(resident s/step, bytes / pinned bandwidth)``.
+Without ``--musubi-file`` the musubi rows are skipped.  ``--size quick --device cpu`` checks the
+script on a machine without a GPU (our rows only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from bench.dit_stack import SIZES, build, pinned_bandwidth, timed_steps
+
+ROOT = Path(__file__).resolve().parents[1]
+MIB, GIB = 2**20, 2**30
+
+
+def engine_options(mode: str, size: str, budget_gib: float | None) -> dict:
+    """Our engine's options for each row."""
+    linear = max(4, 4) * SIZES[size][1] ** 2 * 2  # the largest Linear of a block (up/down), bf16 bytes
+    return {"streamed": dict(prefetch=1),
+            "streamed_split": dict(prefetch=2, cpu_offload_split_threshold=1.2 * linear / MIB),
+            "fp8_streamed": dict(prefetch=1, storage_dtype=torch.float8_e4m3fn),
+            "budget_12_of_24": dict(prefetch=1, vram_budget_gb=budget_gib)}[mode]
+
+
+def run_worker(args) -> dict:
+    """One row: train the stack with our engine (or resident) in this process."""
+    from diffsynth_core.gradient import apply_gradient_checkpointing
+    from diffsynth_core.offload import OffloadTrainingManager
+    from diffsynth_core.training.device import avoid_broken_kernels
+
+    device = avoid_broken_kernels(args.device)
+    model, x = build(args.size, device)
+    apply_gradient_checkpointing(model, ("blocks",))
+    mgr = None
+    if args.worker != "resident":
+        opts = engine_options(args.worker, args.size, args.budget_gib)
+        mgr = OffloadTrainingManager(model, device, block_container_names=("blocks",), **opts)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=device.type == "cuda")
+
+    def step():
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        if mgr is not None:
+            mgr.after_backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    out = timed_steps(step, device, args.steps, args.warmup)
+    if mgr is not None:
+        rep = mgr.report()
+        out.update(h2d_gb_per_step=rep["last_step_h2d_bytes"] / 1e9, units=rep["units"],
+                   resident_units=rep["budget_units"], stalls=rep["stalls"], pinned=rep["pinned"],
+                   planned_h2d_gb_per_step=(rep["planned_h2d_bytes_per_step"] or 0) / 1e9 or None,
+                   budget_gib=(rep["budget_bytes"] or 0) / GIB or None,
+                   unit_gib=max(u.dev_bytes for u in mgr.plan.units) / GIB)
+        mgr.detach()
+    else:
+        out["h2d_gb_per_step"] = 0.0
+    return out
+
+
+def _spawn(cmd: list[str]) -> dict:
+    proc = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-3000:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def orchestrate(args) -> dict:
+    device = torch.device(args.device)
+    common = ["--size", args.size, "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    rows = {"resident": _spawn(["-m", "bench.side_by_side", "--worker", "resident", *common])}
+    for mode in ("streamed", "streamed_split", "fp8_streamed"):
+        rows[mode] = _spawn(["-m", "bench.side_by_side", "--worker", mode, *common])
+    streamed = rows["streamed"]
+    if "peak_gib" in streamed and streamed["peak_gib"]:
+        # Room for 12.5 blocks above what the all-streamed step peaks at (+ the planner's margin):
+        # the planner then keeps 12 of the 24 blocks resident.
+        room = streamed["peak_gib"] + 12.5 * streamed["unit_gib"] + 256 * MIB / GIB
+        rows["budget_12_of_24"] = _spawn(["-m", "bench.side_by_side", "--worker", "budget_12_of_24", *common,
+                                          "--budget-gib", f"{room / 0.98:.4f}"])
+    if args.musubi_file and device.type == "cuda":
+        for swap in (SIZES[args.size][0], SIZES[args.size][0] // 2):
+            rows[f"musubi_swap_{swap}"] = _spawn(["-m", "bench.musubi_harness", "--musubi-file", args.musubi_file,
+                                                  "--blocks-to-swap", str(swap), *common])
+    bandwidth = pinned_bandwidth(device)
+    summarise(rows, bandwidth)
+    return {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+            "size": dict(zip(("blocks", "width", "tokens"), SIZES[args.size])), "h2d_pinned_gb_s": bandwidth,
+            "rows": rows}
+
+
+def summarise(rows: dict, bandwidth: float | None) -> None:
+    resident = rows["resident"].get("step_s")
+    for name, row in rows.items():
+        if name == "resident" or "step_s" not in row or not resident:
+            continue
+        bound = max(resident, row["h2d_gb_per_step"] / bandwidth) if bandwidth else resident
+        row.update(bound_s=bound, step_over_bound=row["step_s"] / bound, step_over_resident=row["step_s"] / resident)
+        row.pop("step_s_all", None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", choices=sorted(SIZES), default="full")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--musubi-file", default=None, help="musubi-tuner's custom_offloading_utils.py (not shipped)")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--budget-gib", type=float, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(run_worker(args)))
+        return
+    text = json.dumps(orchestrate(args), indent=1)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Print the targets of issue 12 from the JSON the H200 session wrote: ``python3 bench/summarise_h200.py DIR``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _load(folder: Path, name: str) -> dict:
+    path = folder / name
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _fmt(value) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def rows(folder: Path):
+    sbs = _load(folder, "side_by_side_h200.json").get("rows", {})
+    for name, row in sbs.items():
+        yield f"stack {name}", {k: row.get(k) for k in ("step_s", "step_over_bound", "step_over_resident", "peak_gib",
+                                                       "h2d_gb_per_step", "stalls")} if "error" not in row \
+            else {"error": row["error"][-300:]}
+    off = _load(folder, "offload_h200.json")
+    for case in ("qwen20b", "optim", "fp8_loss", "determinism"):
+        for name, row in (off.get(case) or {}).items():
+            if isinstance(row, dict):
+                keep = ("step_s", "step_over_resident", "step_over_max_gpu_or_cpu_adamw", "gpu_peak_torch_gb",
+                        "gpu_peak_nvml_gb", "host_peak_over_dit", "budget_units", "h2d_gb_per_step",
+                        "planned_h2d_gb_per_step", "slowdown", "error")
+                yield f"{case} {name}", {k: (row[k][-300:] if k == "error" else row[k]) for k in keep if k in row}
+            else:
+                yield f"{case} {name}", {"value": row}
+    e2e = _load(folder, "e2e_h200.json")
+    if e2e:
+        yield "e2e", {k: e2e.get(k) for k in ("s_per_step", "stages_s", "images_per_s", "gpu_peak_torch_gb",
+                                              "gpu_peak_nvml_gb", "host_peak_gb", "host_peak_over_dit", "h2d_gb_per_step",
+                                              "planned_h2d_gb_per_step", "resident_units")}
+
+
+def main() -> None:
+    for name, values in rows(Path(sys.argv[1])):
+        print(f"{name:38s} " + " ".join(f"{k}={_fmt(v)}" for k, v in values.items() if v is not None))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""The byte plan: which units stay on the device under a GPU memory budget.
+
+The budget is a cap on the device's peak memory (``torch.cuda.max_memory_allocated``), not on the
+weights alone, so the planner needs what a step costs besides the units: activations, trainable
+weights with their gradients and optimizer state, the streaming slots.  Those are *measured*:
+the first step runs with every unit streamed, and at the start of the second one (when the
+optimizer state exists) ``overhead = peak of step 1 + what stayed allocated since``.  Whatever the
+budget leaves above that (minus a margin) holds resident units.
+
+Which ones: each unit's residency saves the bytes it would have been copied in a step.  The first
+step records every use of every unit (forward, recompute, backward) and a replay of the slots
+(``simulate_loads``) counts the copies each unit costs: two per step for most, one for the units
+the slots keep across the forward->backward turn (and, for frozen weights, across the
+backward->forward turn into the next step).  Units are taken by bytes saved per device byte, and
+among equals spread evenly over the execution order, so the copies of the streamed ones overlap
+the compute of the resident ones between them.  The same replay, run on the final plan, gives the
+planned bytes per step that ``report()`` sets beside the measured ones.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InputError
+from .units import Unit
+
+GIB = 2**30
+
+
+def margin_bytes(budget: int) -> int:
+    """Head-room kept under the budget: allocator rounding and step-to-step variation."""
+    return 256 * 2**20 + budget // 50
+
+
+def auto_budget(device: torch.device) -> int:
+    """``"auto"``: what the device has free now (plus what this process has already taken),
+    minus 5 % of the card for other processes and the CUDA context growing."""
+    if device.type != "cuda":
+        raise InputError("offload.vram_budget_gb = 'auto' needs a CUDA device; give a number of GiB instead")
+    free, total = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - total // 20)
+
+
+class DeviceMemory:
+    """Allocated / peak bytes of the target device; ``None`` where the device keeps no statistics
+    (CPU), in which case the planner counts what the engine itself placed there."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    def allocated(self) -> int | None:
+        return torch.cuda.memory_allocated(self.device) if self.cuda else None
+
+    def peak(self) -> int | None:
+        return torch.cuda.max_memory_allocated(self.device) if self.cuda else None
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+
+def simulate_loads(uses: list[int], streamed: list[int], n_slots: int, keep_across: set[int],
+                   steps: int = 2) -> Counter:
+    """Copies per unit in the last of ``steps`` identical steps: a use copies its unit unless the
+    unit still sits in its home slot (homes round robin over ``streamed``, which is in execution
+    order).  Units in ``keep_across`` (frozen ones) stay in their slots from one step to the next."""
+    home = {u: i % max(n_slots, 1) for i, u in enumerate(streamed)}
+    slots: dict[int, int] = {}
+    counts: Counter = Counter()
+    for step in range(steps):
+        counts = Counter()
+        for u in uses:
+            if u not in home:
+                continue
+            if slots.get(home[u]) != u:
+                slots[home[u]] = u
+                counts[u] += 1
+        slots = {h: u for h, u in slots.items() if u in keep_across}
+    return counts
+
+
+def forward_order(uses: list[int]) -> list[int]:
+    """Distinct units in order of first use."""
+    return list(dict.fromkeys(uses))
+
+
+@dataclass
+class ByteBudget:
+    resident: list[Unit]  # kept on the device, in execution order
+    planned_bytes: int  # host->device bytes per step once planned
+    streamed_bytes: int  # the same with every unit streamed (what residency saves from)
+
+
+def plan_residency(units: list[Unit], uses: list[int], n_slots: int, room: int) -> ByteBudget:
+    """Fill ``room`` device bytes with the units whose residency saves the most copied bytes."""
+    by_index = {u.index: u for u in units}
+    order = [i for i in forward_order(uses) if i in by_index] + \
+        [u.index for u in units if u.index not in set(uses)]
+    position = {idx: pos for pos, idx in enumerate(order)}
+    candidates = [u for u in units if not any(r.trainable for r in u.tensors) and u.dev_bytes > 0]
+    keep_across = {u.index for u in candidates}
+    loads = simulate_loads(uses, order, n_slots, keep_across)
+
+    def saving(u: Unit) -> float:  # copied bytes saved per device byte spent
+        return round(loads[u.index] * u.host_bytes / u.dev_bytes, 3)
+
+    chosen: list[Unit] = []
+    for value in sorted({saving(u) for u in candidates}, reverse=True):
+        if value <= 0:
+            break
+        group = sorted((u for u in candidates if saving(u) == value), key=lambda u: position[u.index])
+        picked = _evenly_spaced(group, room)
+        room -= sum(u.dev_bytes for u in picked)
+        chosen.extend(picked)
+    chosen.sort(key=lambda u: position[u.index])
+    kept = {u.index for u in chosen}
+    streamed = [i for i in order if i not in kept]
+    after = simulate_loads(uses, streamed, n_slots, keep_across)
+    return ByteBudget(chosen, sum(n * by_index[i].host_bytes for i, n in after.items()),
+                      sum(n * by_index[i].host_bytes for i, n in loads.items()))
+
+
+def static_residency(units: list[Unit], room: int) -> list[Unit]:
+    """``resident_gb``: frozen units that fit in ``room`` bytes, evenly spaced over the registration
+    order, chosen at attach without measuring (for callers that plan their device memory themselves)."""
+    return _evenly_spaced([u for u in units if not any(r.trainable for r in u.tensors)], room)
+
+
+def _evenly_spaced(group: list[Unit], room: int) -> list[Unit]:
+    """The largest evenly spaced subset of ``group`` (midpoints of k equal stretches) that fits."""
+    n = len(group)
+    for k in range(n, 0, -1):
+        picks = [group[(2 * i + 1) * n // (2 * k)] for i in range(k)]
+        if sum(u.dev_bytes for u in picks) <= room:
+            return picks
+    return []
+
+
+class BudgetTracker:
+    """Measures the first step, says when to plan, and watches the peak afterwards.
+
+    ``fixed``: device bytes the engine itself placed (resident leftovers, slots), which is all a
+    device without memory statistics can tell; on CUDA the first step's measured peak replaces it.
+    """
+
+    def __init__(self, budget: int, device: torch.device, fixed: int):
+        self.budget, self.fixed = budget, fixed
+        self.memory = DeviceMemory(device)
+        # Without statistics the count is exact (only the engine's own bytes); with them, keep
+        # head-room for allocator rounding and step-to-step variation.
+        self.margin = margin_bytes(budget) if self.memory.cuda else 0
+        self.start_allocated: int | None = None
+        self.first_peak: int | None = None
+        self.peak = 0  # highest allocated bytes seen at the end of a step (CUDA)
+        self.planned_peak: int | None = None
+        self.over_budget_steps = 0
+        if fixed + self.margin > budget:
+            raise self.too_small(fixed, "the slots and the weights outside the streamed blocks")
+
+    def begin_first_step(self) -> None:
+        self.start_allocated = self.memory.allocated()
+        self.memory.reset_peak()
+
+    def end_step(self, first: bool) -> None:
+        peak = self.memory.peak()
+        if peak is None:
+            return
+        self.peak = max(self.peak, peak)
+        if first:
+            self.first_peak = peak
+        elif peak > self.budget:
+            self.over_budget_steps += 1
+
+    def room(self) -> int:
+        """Device bytes left for resident units; raises when the step alone does not fit."""
+        if self.first_peak is None:  # no statistics: only what the engine placed is known
+            overhead = self.fixed
+            what = "the slots and the weights outside the streamed blocks"
+        else:  # the step's peak + what stayed allocated since it began (optimizer state, ...)
+            overhead = self.first_peak + max(0, self.memory.allocated() - self.start_allocated)
+            what = "one training step with every block streamed"
+        room = self.budget - overhead - self.margin
+        if room < 0:
+            raise self.too_small(overhead, what)
+        self.planned_peak = overhead
+        return room
+
+    def too_small(self, need: int, what: str) -> InputError:
+        return InputError(
+            f"offload.vram_budget_gb = {self.budget / GIB:.2f} GiB cannot hold {what}: that needs "
+            f"{need / GIB:.2f} GiB plus {self.margin / GIB:.2f} GiB of margin; raise the budget "
+            f"or lower the resolution, batch or prefetch")

@@ -1,0 +1,159 @@
+"""The optimizer step of host-resident weights, one unit at a time, on a worker thread.
+
+With optimizer offload the trainable weights of the streamed units live in the host arena and
+their gradients land there as backward produces them.  Stepping them all in ``optimizer.step()``
+after backward leaves the GPU idle for the whole CPU step; instead each unit gets its own
+*sub-optimizer*: the user's optimizer class and hyper-parameters over stand-in parameters that
+always view the unit's host copy (the real parameters point into a device slot while the unit is
+loaded), sharing the user's ``optimizer.state`` entries (so ``state_dict()``, checkpoints and
+resume see one optimizer).  A worker thread runs the sub-steps, earliest unit in execution order
+first, so the next forward, which waits for each unit's step before copying it to the device,
+rarely waits long.  Element-wise optimizers (Adam, AdamW, SGD, ...) update each tensor from its
+own state, so stepping unit by unit gives bitwise the same result as one ``step()`` over all.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+
+import torch
+from torch import nn
+
+
+class _StateOfReal:
+    """``optimizer.state`` seen through stand-ins: ``state[stand_in]`` is the real parameter's entry.
+    Read at each access: ``load_state_dict`` replaces the optimizer's state dict."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, real_of: dict[int, nn.Parameter]):
+        self.optimizer, self.real_of = optimizer, real_of
+
+    def __getitem__(self, stand_in):
+        return self.optimizer.state[self.real_of[id(stand_in)]]
+
+    def get(self, stand_in, default=None):
+        return self.optimizer.state.get(self.real_of[id(stand_in)], default)
+
+
+def _sub_optimizer(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
+    """An optimizer of ``optimizer``'s class over ``groups`` (stand-ins), without its hooks."""
+    cls = type(optimizer)
+    sub = cls.__new__(cls)
+    for key, value in optimizer.__dict__.items():  # settings a subclass __init__ stores (fused, ...)
+        if key not in ("state", "param_groups", "defaults") and "hook" not in key:
+            sub.__dict__[key] = value
+    torch.optim.Optimizer.__init__(sub, groups, optimizer.defaults)
+    return sub
+
+
+class _Job:
+    def __init__(self, unit: int, grads: list, events: list):
+        self.unit, self.grads, self.events = unit, grads, events
+        self.done = threading.Event()
+
+
+class HostStepper:
+    """Steps ``optimizer`` for the parameters of each unit, on demand, off the main thread.
+
+    ``units``: unit index -> list of (real parameter, host master tensor).  ``submit(unit, grads,
+    events)`` queues the unit's step (``grads``: ``id(real parameter) -> host gradient``; missing
+    ones are skipped like ``grad=None``; the worker first waits for ``events``, the device->host
+    copies that produce them); ``wait(unit)`` blocks until that unit's last queued step ran;
+    ``join()`` waits for all.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, units: dict[int, list[tuple[nn.Parameter, torch.Tensor]]]):
+        self.optimizer = optimizer
+        group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        self.subs: dict[int, tuple[torch.optim.Optimizer, list[nn.Parameter], list[int]]] = {}
+        self.reals: dict[int, list[nn.Parameter]] = {}
+        for unit, pairs in units.items():
+            pairs = [(real, master) for real, master in pairs if id(real) in group_of]
+            if not pairs:
+                continue
+            stand_ins = [nn.Parameter(master) for _, master in pairs]
+            used = sorted({group_of[id(real)] for real, _ in pairs})
+            groups = [{**optimizer.param_groups[gi], "params": [s for s, (r, _) in zip(stand_ins, pairs)
+                                                               if group_of[id(r)] == gi]} for gi in used]
+            sub = _sub_optimizer(optimizer, groups)
+            sub.state = _StateOfReal(optimizer, {id(s): r for s, (r, _) in zip(stand_ins, pairs)})
+            self.subs[unit] = (sub, stand_ins, used)
+            self.reals[unit] = [real for real, _ in pairs]
+        self.params = {id(real) for pairs in units.values() for real, _ in pairs if id(real) in group_of}
+        self._jobs: dict[int, _Job] = {}
+        self._heap: list = []
+        self._seq = itertools.count()
+        self._cv = threading.Condition()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="splitflow-host-optimizer", daemon=True)
+        self._thread.start()
+
+    def owns(self, unit: int) -> bool:
+        return unit in self.subs
+
+    def submit(self, unit: int, grads: dict, events: list = ()) -> None:
+        """Queue ``unit``'s step with the hyper-parameters the user's groups hold now."""
+        sub, _, used = self.subs[unit]
+        for sub_group, gi in zip(sub.param_groups, used):  # e.g. the LR scheduler's latest lr
+            sub_group.update({k: v for k, v in self.optimizer.param_groups[gi].items() if k != "params"})
+        job = _Job(unit, [grads.get(id(r)) for r in self.reals[unit]], list(events))
+        with self._cv:
+            self._jobs[unit] = job
+            heapq.heappush(self._heap, (unit, next(self._seq), job))
+            self._cv.notify()
+
+    def wait(self, unit: int) -> None:
+        job = self._jobs.get(unit)
+        if job is not None:
+            job.done.wait()
+        self._raise()
+
+    def is_done(self, unit: int) -> bool:
+        job = self._jobs.get(unit)
+        return job is None or job.done.is_set()
+
+    def join(self) -> None:
+        for job in list(self._jobs.values()):
+            job.done.wait()
+        self._raise()
+
+    def close(self) -> None:
+        self.join()
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("the host optimizer step failed") from self._error
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._heap and not self._closed:
+                    self._cv.wait()
+                if not self._heap:
+                    return
+                _, _, job = heapq.heappop(self._heap)
+            try:
+                if self._error is None:
+                    self._step(job)
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread at wait()/join()
+                self._error = exc
+            finally:
+                job.done.set()
+
+    def _step(self, job: _Job) -> None:
+        for event in job.events:  # the gradients' device->host copies
+            event.synchronize()
+        sub, stand_ins, _ = self.subs[job.unit]
+        for stand_in, grad in zip(stand_ins, job.grads):
+            stand_in.grad = grad
+        try:
+            sub.step()
+        finally:
+            for stand_in in stand_ins:
+                stand_in.grad = None
