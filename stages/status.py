@@ -20,7 +20,7 @@ from diffsynth_core.training.loop import planned_steps
 from diffsynth_core.training.sampler import BucketSampler
 
 from .config import RunConfig
-from .keys import check_cache, completeness, make_plan, needs
+from .keys import check_cache, completeness, empty_prompt_key, make_plan, needs
 from .secrets import storage_options
 from .train import CachedSamples, final_exports
 
@@ -113,7 +113,10 @@ def _rows_left(cfg: RunConfig, store) -> tuple[list[int], list[str]]:
     if plan is None:  # an imported cache: nothing to encode, train on what it records
         return [], store.dataset_keys() or store.keys()
     found = needs(plan, store, cfg.dataset.skip_bad_samples)
-    return sorted({row % cfg.preprocess.parts for row in found.missing}), found.train
+    parts = {row % cfg.preprocess.parts for row in found.missing}
+    if not store.has(empty_prompt_key(cfg, plan.fingerprint)):
+        parts.add(0)  # part 0 encodes the empty prompt (caption dropout) once per cache
+    return sorted(parts), found.train
 
 
 def work_left(cfg: RunConfig) -> WorkLeft:
