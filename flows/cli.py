@@ -1,8 +1,10 @@
 """The ``splitflow`` command line.
 
 Each verb loads a ``RunConfig`` (file + ``--set`` overrides + DiffSynth-style flags), calls one
-flow or one stage, prints a summary and exits non-zero on failure.  Prefect is imported only
-after its environment (``PREFECT_HOME`` inside the work directory) is set.
+flow or one stage, prints a summary and exits non-zero on failure.  What is left to do is read
+from disk first: a run with nothing left answers without Prefect.  Otherwise Prefect is
+imported only after its environment (``PREFECT_HOME`` inside the output folder) is set, and the
+verb uses ``PREFECT_API_URL`` or a private server of its own (flows/server.py).
 """
 
 from __future__ import annotations
@@ -10,31 +12,51 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from diffsynth_core.errors import EXIT_BUG, EXIT_INPUT, InputError, classify
 from stages.compat import diffsynth
-from stages.config import RunConfig
+from stages.config import ConfigError, RunConfig
 
 DEFAULT_DEMO_DIR = "splitflow-demo"
 
 
-def _prefect_environment(home: Path) -> None:
-    """Keep Prefect's state out of $HOME and make its temporary server start reliably."""
-    os.environ.setdefault("PREFECT_HOME", str(home.resolve() / ".prefect"))
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
+def _config(args, extra) -> RunConfig:
+    """CONFIG file (optional), then DiffSynth-Studio flags, then --set: stages/compat/diffsynth.py."""
+    from flows.secrets import register_prefect_secrets
 
-
-def _config(args, extra: list[str]) -> RunConfig:
-    # CONFIG file (optional), then DiffSynth-Studio flags, then --set: stages/compat/diffsynth.py
+    register_prefect_secrets()  # storage options may name Prefect Secret blocks (resolved where used)
     return diffsynth.run_config_from_cli(args.config, args.set, extra, args.verb)
+
+
+def _reference(args, extra, cfg: RunConfig) -> tuple[str, list[str]]:
+    """How flow runs load this config again: a CONFIG file as its path plus ``--set``; a command line
+    with DiffSynth-Studio flags (or no CONFIG) as the resolved config saved under the output folder."""
+    from flows.runconfig import config_reference
+
+    if args.config is not None and not extra:
+        return config_reference(args.config), list(args.set)
+    saved = cfg.save(cfg.output_dir / ".splitflow" / f"{args.verb}-config.toml")  # references stay references
+    return str(saved.resolve()), []
 
 
 def _print(result) -> None:
     print(json.dumps(result, indent=2, default=str))
+
+
+def _run_stages(args, extra, stages: tuple[str, ...]) -> int:
+    from flows.orchestrate import orchestrate
+    from flows.runconfig import run_name
+
+    cfg = _config(args, extra)
+    ref, overrides = _reference(args, extra, cfg)
+    name = run_name(args.config or str(cfg.output_dir / "config.toml"), args.name)  # no CONFIG: the output's name
+    pools = {"preprocess": getattr(args, "preprocess_pool", None), "train": getattr(args, "train_pool", None)}
+    _print(orchestrate(cfg, ref, overrides, name, stages, pools, args.debug))
+    return 0
 
 
 # -- verbs -------------------------------------------------------------------------------------
@@ -43,59 +65,44 @@ def cmd_demo(args, extra) -> int:
 
     workdir = Path(args.workdir)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    cfg, config_path = prepare_demo(workdir, args.family, diffsynth.flag_overrides(extra) + list(args.set))
+    _, config_path = prepare_demo(workdir, args.family, diffsynth.flag_overrides(extra) + list(args.set))
     print(f"demo: dataset, tiny {args.family} model and {config_path} ready in {workdir}")
-    _prefect_environment(workdir)
-    from flows.split_training import split_training
-
-    _print(split_training(cfg))
-    print(f"outputs in {cfg.output_dir}; rerun any verb with: splitflow <verb> {config_path}")
+    args.config, args.set, args.name = str(config_path), [], args.name or workdir.resolve().name
+    _run_stages(args, [], ("preprocess", "train"))
+    print(f"outputs in {workdir / 'output'}; rerun any verb with: splitflow <verb> {config_path}")
     return 0
 
 
 def cmd_run(args, extra) -> int:
-    cfg = _config(args, extra)
-    _prefect_environment(cfg.output_dir)
-    from flows.split_training import split_training
-
-    _print(split_training(cfg))
-    return 0
+    return _run_stages(args, extra, ("preprocess", "train"))
 
 
 def cmd_preprocess(args, extra) -> int:
-    cfg = _config(args, extra)
     if args.part is not None:  # one part, no orchestration: what a worker machine runs
         from stages import preprocess
 
-        summary = preprocess.run(cfg, args.part)
-        print(summary.describe())
+        cfg = _config(args, extra)
+        print(preprocess.run(cfg, args.part).describe())
         return 0
-    _prefect_environment(cfg.output_dir)
-    from flows.split_training import preprocess_flow
-
-    _print(preprocess_flow(cfg))
-    return 0
+    return _run_stages(args, extra, ("preprocess",))
 
 
 def cmd_train(args, extra) -> int:
-    cfg = _config(args, extra)
     # No orchestration: what each rank of `torchrun ... -m flows.cli train CONFIG --in-process` runs.
     if args.in_process:
         from stages import train
 
+        cfg = _config(args, extra)
         print(train.run(cfg).describe())
         return 0
-    _prefect_environment(cfg.output_dir)
-    from flows.split_training import train_flow
-
-    _print(train_flow.with_options(retries=cfg.train.retries)(cfg))
-    return 0
+    return _run_stages(args, extra, ("train",))
 
 
 def cmd_status(args, extra) -> int:
-    from stages.status import run_status
+    from stages.status import run_status, work_left
 
-    _print(run_status(_config(args, extra)))
+    cfg = _config(args, extra)
+    _print({**run_status(cfg), "left": work_left(cfg).as_dict()})
     return 0
 
 
@@ -106,18 +113,22 @@ def cmd_resume(args, extra) -> int:
     status = run_status(cfg)
     print(f"resuming: cache {status['cache']['present']}/{status['cache']['expected']} entries, "
           f"training at step {status['train']['step']}")
-    _prefect_environment(cfg.output_dir)
-    from flows.split_training import split_training
-
-    _print(split_training(cfg))
-    return 0
+    return _run_stages(args, extra, ("preprocess", "train"))
 
 
 def cmd_deploy(args, extra) -> int:
-    cfg = _config(args, extra)
     from flows.deployments import deploy
+    from flows.orchestrate import prefect_session
+    from flows.runconfig import check_overrides, run_name
+    from flows.server import configured_api_url
 
-    _print(deploy(cfg, Path(args.config).resolve(), args.preprocess_pool, args.train_pool))
+    cfg = _config(args, extra)
+    ref, overrides = _reference(args, extra, cfg)
+    if not (args.preprocess_pool and args.train_pool):
+        raise ConfigError("deploy needs --preprocess-pool and --train-pool (work pools; see docs/orchestration.md)")
+    with prefect_session(cfg, configured_api_url(), True, args.debug):
+        pools = {"preprocess": args.preprocess_pool, "train": args.train_pool}
+        _print(deploy(ref, check_overrides(overrides), run_name(args.config, args.name), pools, args.control_pool))
     return 0
 
 
@@ -183,14 +194,22 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "when DiffSynth-Studio flags give the model and data")
         sub.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                          help="override a config value, e.g. --set train.max_steps=100 (repeatable)")
+        if name in ("run", "resume", "preprocess", "train", "deploy", "demo"):
+            sub.add_argument("--name", help="run name for Prefect runs, deployments and artifacts "
+                                             "(default: the config file's name)")
         if name == "preprocess":
             sub.add_argument("--part", type=int, help="encode only this part (0-based) of preprocess.parts")
         if name == "train":
             sub.add_argument("--in-process", action="store_true",
                              help="run the stage in this process without Prefect (e.g. one rank under torchrun)")
+        if name in ("run", "resume", "preprocess", "deploy"):
+            sub.add_argument("--preprocess-pool", help="work pool whose workers run the preprocess parts "
+                                                      "(needs PREFECT_API_URL; see docs/orchestration.md)")
+        if name in ("run", "resume", "train", "deploy"):
+            sub.add_argument("--train-pool", help="work pool whose worker runs training")
         if name == "deploy":
-            sub.add_argument("--preprocess-pool", default="preprocess-pool", help="work pool for stage 1")
-            sub.add_argument("--train-pool", default="train-pool", help="work pool for stage 2")
+            sub.add_argument("--control-pool", default="splitflow-control",
+                             help="light work pool (no GPU) for the coordinating run; created if missing")
     return parser
 
 
@@ -221,12 +240,18 @@ def report_failure(verb: str, err: BaseException, debug: bool) -> int:
     return classified.exit_code
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # DiffSynth-Studio flags (--dataset_base_path ...) leave argv first: mapped per verb in _config.
     own, diffsynth_flags = diffsynth.split_argv(sys.argv[1:] if argv is None else list(argv))
     args, extra = parser.parse_known_args(own)
     extra = diffsynth_flags + extra
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)  # like Ctrl-C: servers stopped, runs marked, work kept
     try:
         return VERBS[args.verb][0](args, extra)
     except KeyboardInterrupt:

@@ -1,69 +1,113 @@
-"""Deployments: run the stages on work pools (cheap GPUs preprocess, a big GPU trains).
+"""Deployments: the stages as flow runs on work pools, and their coordinator on a light pool.
 
-``deploy`` registers three deployments from this source tree on a running Prefect server
-(``PREFECT_API_URL``): ``preprocess-part`` (one part per run, on the preprocess pool),
-``train`` (on the train pool) and ``split-training-pools``, a thin parent that fans the parts
-out over the preprocess pool, finalizes the cache and then starts training.  Each stage's
-resumption comes from disk, so a re-run or a ``prefect flow-run retry`` continues the work.
+``deploy`` registers, for one run name (``--name`` or the config's name, so configs coexist):
+
+* ``splitflow-preprocess-part/<name>`` on the preprocess pool (one part per run),
+* ``splitflow-train/<name>`` on the train pool,
+* ``splitflow-coordinate/<name>`` on the control pool (created if missing): the parent that
+  drives the others (flows/coordinator.py).  It never occupies a GPU pool's slot, so a pool
+  limit of 1 (one GPU) cannot deadlock it.
+
+Every flow takes the config's path or URL and ``--set`` overrides as parameters (defaults: the
+deployed config), never its content: one deployment serves later edits, and no
+``cache.storage_options`` value reaches the API.  Each stage run reports progress (its
+heartbeat) and ends Failed with a ``[splitflow:<kind>]`` record the coordinator reads.
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
+import io
 from pathlib import Path
 
-from prefect import flow, get_run_logger
+from prefect import flow
 
-from flows._prefect import result_or, start_run, wait_for_run
 from stages import preprocess as preprocess_stage
 from stages import train as train_stage
-from stages.config import RunConfig
-from diffsynth_core.errors import InputError
+
+from . import _prefect as api
+from .artifacts import part_table, train_report
+from .heartbeat import part_heartbeat, train_heartbeat
+from .observe import failure_state, forwarded_logs
+from .runconfig import load_run_config
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 ENTRYPOINT = "flows/deployments.py"
+CONTROL_POOL = "splitflow-control"
 
 
-@flow(name="preprocess-part", flow_run_name="preprocess-part{part}of{cfg.preprocess.parts}")
-def preprocess_part_flow(cfg: RunConfig, part: int) -> dict:
-    return preprocess_stage.run(cfg, part).as_dict()
+@flow(name="splitflow-preprocess-part")
+def preprocess_part_flow(config: str | None = None, overrides: list[str] | None = None, part: int = 0,
+                         name: str = "splitflow"):
+    """Encode one part of the dataset into the cache (what is already there is reused)."""
+    try:
+        cfg = load_run_config(config, overrides)
+        with forwarded_logs(), part_heartbeat(cfg, name, part):
+            summary = preprocess_stage.run(cfg, part)
+            part_table(name, summary)
+        return summary.as_dict()
+    except Exception as exc:  # noqa: BLE001 -- the failure record tells the coordinator what to do
+        return failure_state(exc)
 
 
-@flow(name="train-stage", flow_run_name="train-{cfg.model.family}")
-def train_stage_flow(cfg: RunConfig) -> dict:
-    return train_stage.run(cfg).as_dict()
+@flow(name="splitflow-train")
+def train_stage_flow(config: str | None = None, overrides: list[str] | None = None, name: str = "splitflow"):
+    """Train from the cache, resuming from the last checkpoint; progress, summary and images as artifacts."""
+    try:
+        cfg = load_run_config(config, overrides)
+        with forwarded_logs(), train_heartbeat(cfg, name):
+            summary = train_stage.run(cfg)
+            train_report(name, cfg, summary)
+        return summary.as_dict()
+    except Exception as exc:  # noqa: BLE001
+        return failure_state(exc)
 
 
-@flow(name="split-training-pools")
-def split_training_on_pools(cfg: RunConfig) -> dict:
-    """Parent flow: parts on the preprocess pool (in parallel), then training on the train pool."""
-    logger = get_run_logger()
-    params = {"cfg": cfg.model_dump(mode="json")}
-    run_ids = [start_run("preprocess-part/preprocess-part", {**params, "part": part})
-               for part in range(cfg.preprocess.parts)]
-    finished = [wait_for_run(run_id) for run_id in run_ids]
-    failed = [part for part, run in enumerate(finished) if not run.state.is_completed()]
-    if failed:
-        raise RuntimeError(f"preprocess parts {failed} did not complete; re-run to encode only what is missing")
-    final = preprocess_stage.finalize(cfg)  # skipped rows are recorded in the cache by each part
-    logger.info("cache complete=%s (%s rows)", final.complete, final.rows)
-    trained = wait_for_run(start_run("train-stage/train-stage", params))
-    if not trained.state.is_completed():
-        raise RuntimeError(f"training run {trained.id} ended {trained.state.type.value}; re-run to resume")
-    return {"preprocess": final.as_dict(), "train": result_or(trained, {"id": str(trained.id)})}
+@flow(name="splitflow-coordinate", flow_run_name="{name}")
+def coordinate_flow(config: str | None = None, overrides: list[str] | None = None, name: str = "splitflow",
+                    stages: list[str] | None = None):
+    """Drive the stage runs of ``name`` on their pools until the work is on disk (flows/coordinator.py)."""
+    from prefect.context import FlowRunContext
+    from prefect.settings import PREFECT_API_URL
+
+    from .coordinator import Coordinator
+
+    try:
+        cfg = load_run_config(config, overrides)
+        with forwarded_logs():
+            coordinator = Coordinator(cfg, config, list(overrides or []), name,
+                                      tuple(stages or ("preprocess", "train")),
+                                      parent_id=FlowRunContext.get().flow_run.id, api_url=PREFECT_API_URL.value())
+            return coordinator.run()
+    except Exception as exc:  # noqa: BLE001
+        return failure_state(exc)
 
 
-def deploy(cfg: RunConfig, config_path: Path, preprocess_pool: str, train_pool: str) -> dict:
-    if not os.environ.get("PREFECT_API_URL"):
-        raise InputError("deploy needs a Prefect server: start one (prefect server start) and set PREFECT_API_URL")
-    params = {"cfg": cfg.model_dump(mode="json")}
-    plan = [("preprocess_part_flow", "preprocess-part", preprocess_pool, {**params, "part": 0}),
-            ("train_stage_flow", "train-stage", train_pool, params),
-            ("split_training_on_pools", "split-training-pools", train_pool, params)]
+def deploy(config: str | None, overrides: list[str], name: str, pools: dict[str, str],
+           control_pool: str | None = CONTROL_POOL) -> dict:
+    """Register run ``name``'s deployments on ``pools`` (stage -> pool) and the control pool.
+
+    Pools that do not exist are created (type process); the caller sets their limits.
+    """
+    from .observe import run_tags
+
+    cfg = load_run_config(config, overrides)
+    parameters = {"config": config, "overrides": list(overrides), "name": name}
+    plan = [(flow_of, pools[stage], {**parameters, "part": 0} if stage == "preprocess" else parameters)
+            for stage, flow_of in (("preprocess", preprocess_part_flow), ("train", train_stage_flow))
+            if pools.get(stage)]
+    if control_pool:
+        plan.append((coordinate_flow, control_pool, parameters))
+    created = [pool for pool in dict.fromkeys(p for _, p, _ in plan) if api.ensure_process_pool(pool)]
     deployed = {}
-    for function, name, pool, parameters in plan:
-        source = flow.from_source(source=str(PROJECT_ROOT), entrypoint=f"{ENTRYPOINT}:{function}")
-        deployed[name] = str(source.deploy(name=name, work_pool_name=pool, parameters=parameters,
-                                           description=f"splitflow {name} for {config_path}", print_next_steps=False))
-    return {"config": str(config_path), "deployments": deployed,
-            "pools": {"preprocess": preprocess_pool, "train": train_pool}}
+    for stage_flow, pool, defaults in plan:
+        source = flow.from_source(source=str(PROJECT_ROOT), entrypoint=f"{ENTRYPOINT}:{stage_flow.fn.__name__}")
+        # Runs inherit these tags; the coordinator adds each stage run's own (stage, part, attempt).
+        tags = run_tags(cfg, name, "coordinate")[:3] + (["stage:coordinate"] if stage_flow is coordinate_flow else [])
+        with contextlib.redirect_stdout(io.StringIO()):  # Prefect prints a table; the CLI prints JSON
+            deployment_id = source.deploy(name=name, work_pool_name=pool, parameters=defaults, tags=tags,
+                                          description=f"splitflow run {name}: {config}", print_next_steps=False,
+                                          ignore_warnings=True)
+        deployed[f"{stage_flow.name}/{name}"] = str(deployment_id)
+    return {"name": name, "config": config, "deployments": deployed, "pools_created": created,
+            "pools": {**pools, "control": control_pool}}

@@ -242,6 +242,23 @@ class OutputSection(_Section):
     export_every: Literal["epoch", "save", "end"] = "epoch"
 
 
+class OrchestrationSection(_Section):
+    """How the flows talk to Prefect and recover stage runs on work pools (docs/orchestration.md)."""
+
+    api_grace_s: float = Field(60.0, gt=0)     # stop waiting once the Prefect API is unreachable this long
+    retry_delay_s: float = Field(10.0, ge=0)   # first re-submission of a failed stage run; doubles each time
+    heartbeat_s: float = Field(10.0, gt=0)     # how often a running stage run reports progress
+    stale_after_s: float = Field(60.0, gt=0)   # a stage run silent this long is presumed lost and re-submitted
+    poll_s: float = Field(2.0, gt=0)           # how often the coordinator reads stage run states
+
+    @model_validator(mode="after")
+    def _stale_after_heartbeats(self):
+        if self.stale_after_s < 2 * self.heartbeat_s:
+            raise ValueError(f"orchestration.stale_after_s ({self.stale_after_s}) must be at least twice "
+                             f"orchestration.heartbeat_s ({self.heartbeat_s}), or live runs look lost")
+        return self
+
+
 class RunConfig(_Section):
     dataset: DatasetSection = DatasetSection()
     model: ModelSection = ModelSection()
@@ -250,6 +267,7 @@ class RunConfig(_Section):
     train: TrainSection = TrainSection()
     offload: OffloadSection = OffloadSection()
     output: OutputSection = OutputSection()
+    orchestration: OrchestrationSection = OrchestrationSection()
 
     @model_validator(mode="after")
     def _validation_needs_a_pipeline_folder(self):

@@ -1,38 +1,169 @@
-"""What is done for a config: cache completeness and training progress, read from disk only."""
+"""What is done for a config, and what is left: read from disk only (the cache and the checkpoints).
+
+"Prefect coordinates, disk decides": the CLI's no-op check, the pool coordinator and the run
+reconciliation after an outage all ask :func:`work_left` (and :func:`stage_done`), never a
+Prefect result, so a retry, a re-submission or a lost server can never change an outcome.
+Which rows a config needs comes from ``stages.keys`` (derived from the config itself).
+"""
 
 from __future__ import annotations
 
+import csv
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from cache_store import CacheFormatError, open_cache
 from diffsynth_core.errors import InputError
 from diffsynth_core.training.checkpoint import CheckpointManager
+from diffsynth_core.training.batching import latent_shapes
+from diffsynth_core.training.loop import planned_steps
+from diffsynth_core.training.sampler import BucketSampler
 
 from .config import RunConfig
-from .keys import completeness
+from .keys import check_cache, completeness, empty_prompt_key, make_plan, needs
 from .secrets import storage_options
+from .train import CachedSamples, final_exports
+
+
+def _open_existing(cfg: RunConfig):
+    """``(store, None)`` for reading, or ``(None, why)`` when the cache is not written yet."""
+    try:
+        return open_cache(cfg.cache_url, mode="r", storage_options=storage_options(cfg.cache)), None
+    except (FileNotFoundError, CacheFormatError) as err:  # not written yet, or not a cache
+        return None, str(err)
 
 
 def _cache_status(cfg: RunConfig) -> dict:
     """Whether the cache holds every row *this* config trains on (derived from the config)."""
     unknown = {"url": cfg.cache_url, "expected": None, "present": 0, "complete": False}
-    try:
-        store = open_cache(cfg.cache_url, mode="r", storage_options=storage_options(cfg.cache))
-    except (FileNotFoundError, CacheFormatError) as err:  # not written yet, or not a cache
-        return {**unknown, "exists": False, "note": str(err)}
+    store, note = _open_existing(cfg)
+    if store is None:
+        return {**unknown, "exists": False, "note": note}
     try:
         return {"url": cfg.cache_url, "exists": True, **completeness(cfg, store)}
     except InputError as err:  # other encoders, or the config's dataset/model cannot be read
         return {**unknown, "exists": True, "note": str(err)}
 
 
+def metric_rows(cfg: RunConfig) -> list[dict]:
+    """The rows of ``metrics.csv`` (step, epoch, loss, ...), one per optimizer step so far."""
+    path = cfg.output_dir / "metrics.csv"
+    if not path.is_file():
+        return []
+    with path.open(newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def last_metrics(cfg: RunConfig) -> dict | None:
+    rows = metric_rows(cfg)
+    return rows[-1] if rows else None
+
+
 def _train_status(cfg: RunConfig) -> dict:
     checkpoints = CheckpointManager(cfg.output_dir / "checkpoints")
     latest = checkpoints.latest_dir()
     exports = sorted(str(p) for p in Path(cfg.output_dir).glob("*.safetensors"))
+    last = last_metrics(cfg)
     return {"output": str(cfg.output_dir), "step": checkpoints.latest_step(), "max_steps": cfg.train.max_steps,
-            "latest_checkpoint": str(latest) if latest else None, "exports": exports}
+            "latest_checkpoint": str(latest) if latest else None, "exports": exports,
+            "last_loss": float(last["loss"]) if last else None}
 
 
 def run_status(cfg: RunConfig) -> dict:
     return {"cache": _cache_status(cfg), "train": _train_status(cfg)}
+
+
+def summary_from_disk(cfg: RunConfig) -> dict:
+    """A run's outcome as the stages' summaries name it, read from the cache and the output folder."""
+    cache, train = _cache_status(cfg), _train_status(cfg)
+    return {"preprocess": {"url": cache["url"], "complete": cache["complete"], "entries": cache["present"],
+                           "expected": cache["expected"], "skipped": cache.get("skipped", 0)},
+            "train": {"output": train["output"], "steps": train["step"], "final_loss": train["last_loss"],
+                      "exports": train["exports"]}}
+
+
+@dataclass
+class WorkLeft:
+    """What a run of ``cfg`` still has to do, derived from the cache and the checkpoints."""
+
+    parts: list[int] = field(default_factory=list)  # preprocess parts with rows neither cached nor skipped
+    train_steps: int = 0        # optimizer steps left (unknown while rows are missing: >= 1)
+    total_steps: int = 0        # 0 while rows are missing
+    export: bool = True         # the final export is missing or older than the last checkpoint
+
+    @property
+    def preprocess(self) -> bool:
+        return bool(self.parts)
+
+    @property
+    def train(self) -> bool:
+        return self.train_steps > 0 or self.export
+
+    @property
+    def nothing(self) -> bool:
+        return not self.preprocess and not self.train
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "nothing": self.nothing}
+
+
+def _rows_left(cfg: RunConfig, store) -> tuple[list[int], list[str]]:
+    """``(parts with rows to encode, keys training takes)``; raises if the cache is another model's."""
+    plan = check_cache(cfg, store)
+    if plan is None:  # an imported cache: nothing to encode, train on what it records
+        return [], store.dataset_keys() or store.keys()
+    found = needs(plan, store, cfg.dataset.skip_bad_samples)
+    parts = {row % cfg.preprocess.parts for row in found.missing}
+    if not store.has(empty_prompt_key(cfg, plan.fingerprint)):
+        parts.add(0)  # part 0 encodes the empty prompt (caption dropout) once per cache
+    return sorted(parts), found.train
+
+
+def work_left(cfg: RunConfig) -> WorkLeft:
+    """Which parts still need encoding and how many training steps remain (0 and exported: done).
+
+    Total steps follow the loop's rule (``planned_steps``) for one process; a finished run
+    trained under torchrun with ``max_steps`` unset may look unfinished here.
+    """
+    store, _ = _open_existing(cfg)
+    if store is None:
+        return WorkLeft(parts=list(range(cfg.preprocess.parts)), train_steps=1)
+    parts, keys = _rows_left(cfg, store)
+    if parts:
+        return WorkLeft(parts=parts, train_steps=1)
+    total = planned_steps(cfg.train, 0 if cfg.train.max_steps else _rounds_per_epoch(cfg, store, keys))
+    checkpoints = CheckpointManager(cfg.output_dir / "checkpoints")
+    step, latest = checkpoints.latest_step(), checkpoints.latest_dir()
+    exported = latest is not None and all(
+        path.is_file() and path.stat().st_mtime >= (latest / "state.pt").stat().st_mtime for path in final_exports(cfg))
+    return WorkLeft(parts=[], train_steps=max(0, total - step), total_steps=total, export=not exported)
+
+
+def _rounds_per_epoch(cfg: RunConfig, store, keys: list[str]) -> int:
+    """Batches per epoch as the loop makes them (one process): shapes come from the cache's manifest."""
+    sampler = BucketSampler(latent_shapes(CachedSamples(store, keys)), cfg.train.batch_size, cfg.train.drop_last,
+                            cfg.dataset.repeat, cfg.train.seed)
+    return sampler.rounds_per_epoch
+
+
+def stage_done(cfg: RunConfig, stage: str, part: int | None = None, left: WorkLeft | None = None) -> bool:
+    """Whether a stage run's work is on disk: a preprocess part (all its rows cached or skipped), or training."""
+    left = left or work_left(cfg)
+    if stage == "preprocess":
+        return part not in left.parts if part is not None else not left.parts
+    return not left.preprocess and not left.train
+
+
+def part_progress(cfg: RunConfig, part: int) -> tuple[int, int]:
+    """``(rows done, rows)`` of one preprocess part: cached or recorded as skipped."""
+    keys = set(make_plan(cfg, part).keys.values())
+    store, _ = _open_existing(cfg)
+    if store is None:
+        return 0, len(keys)
+    return len(keys & (set(store.keys()) | set(store.skipped()))), len(keys)
+
+
+def train_progress(cfg: RunConfig) -> tuple[int, float | None]:
+    """``(steps done, last loss)`` from ``metrics.csv``."""
+    last = last_metrics(cfg)
+    return (int(last["step"]) if last else 0), (float(last["loss"]) if last else None)

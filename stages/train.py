@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from diffsynth_core.models import FamilySpec, check_model_folder, get_family
+from diffsynth_core.models.lora_export import DIFFUSERS_FILE
 from diffsynth_core.errors import InputError
 from diffsynth_core.training.checkpoint import CheckpointManager
 from diffsynth_core.training.device import avoid_broken_kernels, configure_determinism
@@ -100,12 +101,27 @@ def load_transformer(cfg: RunConfig, spec: FamilySpec) -> torch.nn.Module:
     return load_components(cfg, spec, (spec.transformer_component,))[spec.transformer_component]
 
 
+def _full_name(spec: FamilySpec) -> str:
+    return f"{spec.transformer_component}.safetensors"
+
+
+def _ema_name(path: Path) -> str:
+    return f"{path.stem}_ema{path.suffix}"
+
+
+def final_exports(cfg: RunConfig) -> list[Path]:
+    """The files the end of a run writes, its last act: the diffusers LoRA (or the full DiT), and its EMA twin."""
+    name = DIFFUSERS_FILE if cfg.train.lora_rank > 0 else _full_name(get_family(cfg.model.family))
+    files = [cfg.output_dir / name]
+    return files + ([cfg.output_dir / _ema_name(files[0])] if cfg.train.ema_decay else [])
+
+
 def _export(spec: FamilySpec, result, output: Path) -> dict[str, str]:
     if result.lora_config is not None:
         return export_lora(spec, result.model, result.lora_config, output)
     weights = {k: v.detach().cpu().contiguous() for k, v in result.model.state_dict().items()}
     require_finite(weights, f"export to {output}")
-    path = output / f"{spec.transformer_component}.safetensors"
+    path = output / _full_name(spec)
     save_file(weights, str(path))
     return {"full": str(path)}
 
@@ -118,7 +134,7 @@ def _export_ema(spec: FamilySpec, result, output: Path) -> dict[str, str]:
         written = _export(spec, result, staging)
     exports = {}
     for kind, path in written.items():
-        final = output / f"{Path(path).stem}_ema{Path(path).suffix}"
+        final = output / _ema_name(Path(path))
         os.replace(path, final)
         exports[f"{kind}_ema"] = str(final)
     shutil.rmtree(staging)

@@ -70,6 +70,17 @@ class Schedule:
         return cls(sampling, weighting, spec.diffsynth_template)
 
 
+def planned_steps(train, rounds_per_epoch: int) -> int:
+    """Optimizer steps a run makes: ``train.max_steps``, else its epochs of ``rounds_per_epoch`` batches.
+
+    One function, so the loop and ``stages.status`` (what is left to do) always agree.
+    """
+    if train.max_steps:
+        return train.max_steps
+    per_step = train.gradient_accumulation_steps
+    return max(1, -(-train.num_epochs * rounds_per_epoch // per_step))
+
+
 def _world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -151,10 +162,7 @@ class Trainer:
         return sampler
 
     def total_steps(self, sampler: BucketSampler) -> int:
-        if self.train.max_steps:
-            return self.train.max_steps
-        per_step = self.train.gradient_accumulation_steps
-        return max(1, -(-self.train.num_epochs * sampler.rounds_per_epoch // per_step))
+        return planned_steps(self.train, sampler.rounds_per_epoch)
 
     # -- one optimizer step --------------------------------------------------------------------
     def optimizer_step(self, prepared: Prepared, sampler: BucketSampler, step: int = 0) -> StepResult:

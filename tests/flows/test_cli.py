@@ -1,9 +1,12 @@
+import os
 import subprocess
 import sys
 
 import pytest
 
 from flows.cli import VERBS, build_parser, main
+from flows.runconfig import load_run_config, run_name
+from flows.server import _profile_api_url
 
 DOCUMENTED_VERBS = {"demo", "run", "preprocess", "train", "resume", "status", "deploy", "cache"}
 
@@ -31,3 +34,39 @@ def test_bad_config_key_exits_nonzero_with_the_key_named(tmp_path, capsys):
 def test_console_script_entry_point_prints_help():
     out = subprocess.run([sys.executable, "-m", "flows.cli", "--help"], capture_output=True, text=True, check=True)
     assert "splitflow demo" in out.stdout
+
+
+def test_pools_refuse_storage_options_overrides_and_need_a_shared_server(tmp_path):
+    """Overrides become run parameters on pools (readable through the API): no credentials there;
+    and a private server cannot serve workers: pools need PREFECT_API_URL."""
+    path = tmp_path / "run.toml"
+    path.write_text("[train]\nlearning_rate = 0.1\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME", "PREFECT_PROFILE")}
+    env["HOME"] = str(tmp_path)  # no Prefect profile naming a server
+    pools = ["--preprocess-pool", "cheap", "--train-pool", "big"]
+    for extra, expected in ((["--set", 'cache.storage_options={key="x"}'], "cache.storage_options"),
+                            ([], "PREFECT_API_URL")):
+        run = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(path), *pools, *extra], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2 and expected in run.stderr and "Traceback" not in run.stderr, run.stderr
+        assert len(run.stderr.strip().splitlines()) == 1
+
+
+def test_the_api_url_of_the_active_prefect_profile_is_used(tmp_path, monkeypatch):
+    (tmp_path / "profiles.toml").write_text('active = "team"\n[profiles.team]\n'
+                                            'PREFECT_API_URL = "http://prefect.team:4200/api"\n')
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path))
+    monkeypatch.delenv("PREFECT_PROFILE", raising=False)
+    monkeypatch.delenv("PREFECT_PROFILES_PATH", raising=False)
+    assert _profile_api_url() == "http://prefect.team:4200/api"
+
+
+def test_a_flow_loads_its_config_from_a_url(tmp_path):
+    import fsspec
+
+    with fsspec.open("memory://configs/run.toml", "w") as handle:
+        handle.write("[train]\nlearning_rate = 0.25\n")
+    cfg = load_run_config("memory://configs/run.toml", ["train.max_steps=3"])
+    assert cfg.train.learning_rate == 0.25 and cfg.train.max_steps == 3
+    assert run_name("memory://configs/run.toml") == "configs"
+    assert run_name(str(tmp_path / "qwen lora.toml")) == "qwen-lora" and run_name(None, "x/y") == "x-y"

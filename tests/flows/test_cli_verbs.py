@@ -42,7 +42,7 @@ def test_train_verb_with_diffsynth_flags_extends_a_finished_run(config_path, cap
     assert main(["run", str(config_path)]) == 0
     capsys.readouterr()
     assert main(["train", str(config_path), "--set", "train.max_steps=6", "--learning_rate", "0.002"]) == 0
-    result = _json(capsys.readouterr().out)
+    result = _json(capsys.readouterr().out)["train"]
     assert result["resumed_from"] == 4 and result["steps"] == 6
 
 

@@ -1,0 +1,124 @@
+"""What orchestration costs on the demo, measured side by side in one run; prints JSON.
+
+* ``noop_run_s``: ``splitflow run`` on a finished demo (decided from disk, no Prefect), median;
+  every figure is wall time of a fresh process (interpreter, imports and all), median of ``--repeats``;
+* ``cli_run_s``: ``splitflow run`` of the demo from nothing (private Prefect server);
+* ``direct_*_s`` vs ``cli_*_s``: each stage as a fresh process calling the stage functions
+  directly, and as the CLI verb (Prefect flows, server start included); the difference is the
+  per-stage overhead;
+* ``pooled_run_s``: ``splitflow run --preprocess-pool cheap --train-pool big`` from trigger to
+  summary against a real ``prefect server start`` with one process worker per pool (limit 1).
+
+Usage: ``python bench/orchestration.py [--workdir DIR] [--repeats 3] [--no-pools]`` from the repo root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from stages.demo import demo_config, write_demo_dataset, write_demo_model  # noqa: E402
+
+DIRECT = """
+import sys
+from stages.config import load_config
+from stages import preprocess, train
+cfg = load_config(sys.argv[1])
+if sys.argv[2] == "preprocess":  # what the CLI's preprocess does: every part, then finalize
+    for part in range(cfg.preprocess.parts):
+        preprocess.run(cfg, part)
+    preprocess.finalize(cfg)
+else:
+    train.run(cfg)
+"""
+
+
+def _config(assets: Path, workdir: Path) -> Path:
+    workdir.mkdir(parents=True, exist_ok=True)
+    cfg = demo_config(workdir, overrides=[f"dataset.base_path={assets / 'dataset'}", f"model.path={assets / 'model'}",
+                                          f"dataset.metadata_path={assets / 'dataset' / 'metadata.csv'}"])
+    return cfg.save(workdir / "demo.toml")
+
+
+def _timed(args: list, env: dict) -> float:
+    started = time.perf_counter()
+    result = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True)
+    elapsed = time.perf_counter() - started
+    if result.returncode != 0:
+        raise RuntimeError(f"{args} failed:\n{result.stderr[-3000:]}")
+    return round(elapsed, 2)
+
+
+def _cli(*args: str) -> list:
+    return [sys.executable, "-m", "flows.cli", *args]
+
+
+def _pooled(assets: Path, root: Path, env: dict) -> dict:
+    from tests.flows.pool_cluster import Cluster
+
+    cluster = Cluster(root / "cluster")
+    cluster.env["PREFECT_WORKER_QUERY_SECONDS"] = "2"
+    try:
+        started = time.perf_counter()
+        cluster.start_server()
+        server_s = time.perf_counter() - started
+        for pool in ("cheap", "big"):
+            cluster.create_pool(pool, limit=1)
+            cluster.start_worker(pool)
+        config = _config(assets, root / "pooled")
+        pooled = _timed(_cli("run", str(config), "--preprocess-pool", "cheap", "--train-pool", "big"),
+                        {**env, **{k: v for k, v in cluster.env.items() if k.startswith("PREFECT")}})
+    finally:
+        cluster.close()
+    return {"pooled_run_s": pooled, "prefect_server_start_s": round(server_s, 2),
+            "worker_query_s": 2, "pool_concurrency_limit": 1}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--no-pools", action="store_true")
+    args = parser.parse_args()
+    root = Path(args.workdir or tempfile.mkdtemp(prefix="splitflow-bench-orch-"))
+    assets = root / "assets"
+    write_demo_dataset(assets / "dataset")
+    write_demo_model(assets / "model")
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
+    env.update(HF_HUB_OFFLINE="1", DO_NOT_TRACK="1", PREFECT_SERVER_ANALYTICS_ENABLED="false")
+
+    _timed(_cli("status", str(_config(assets, root / "warm"))), env)  # file digests, page cache, imports
+    stages = {"direct_preprocess_s": [], "cli_preprocess_s": [], "direct_train_s": [], "cli_train_s": []}
+    for repeat in range(args.repeats):  # side by side, alternating, fresh output folders each time
+        direct, verbs = _config(assets, root / f"direct{repeat}"), _config(assets, root / f"verbs{repeat}")
+        stages["direct_preprocess_s"].append(_timed([sys.executable, "-c", DIRECT, str(direct), "preprocess"], env))
+        stages["cli_preprocess_s"].append(_timed(_cli("preprocess", str(verbs)), env))
+        stages["direct_train_s"].append(_timed([sys.executable, "-c", DIRECT, str(direct), "train"], env))
+        stages["cli_train_s"].append(_timed(_cli("train", str(verbs)), env))
+    result = {key: round(statistics.median(values), 2) for key, values in stages.items()}
+    result["overhead_preprocess_s"] = round(result["cli_preprocess_s"] - result["direct_preprocess_s"], 2)
+    result["overhead_train_s"] = round(result["cli_train_s"] - result["direct_train_s"], 2)
+    full = _config(assets, root / "full")
+    result["cli_run_s"] = _timed(_cli("run", str(full)), env)
+    result["noop_run_s"] = statistics.median(_timed(_cli("run", str(full)), env) for _ in range(3))
+    if not args.no_pools:
+        result.update(_pooled(assets, root, env))
+        result["pooled_overhead_s"] = round(result["pooled_run_s"] - result["direct_preprocess_s"]
+                                            - result["direct_train_s"], 2)
+    result.update(demo="16 images, 2 parts, 24 LoRA steps (tiny Qwen-Image), CPU", cpus=os.cpu_count(),
+                  load_average_1m=round(os.getloadavg()[0], 2), workdir=str(root))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

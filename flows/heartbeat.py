@@ -1,0 +1,105 @@
+"""Heartbeats: a running stage's progress artifact, updated from disk every ``orchestration.heartbeat_s``.
+
+The progress (rows cached, steps done) is what a Prefect user watches; the artifact's
+``updated`` time is what the coordinator reads to tell a live stage run from a lost one
+(flows/coordinator.py): a SIGKILLed worker leaves a run Running that no longer beats.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import threading
+from typing import Callable
+
+from stages.config import RunConfig
+
+from .observe import artifact_key, stage_label
+
+
+class Heartbeat:
+    """Update a progress artifact every ``interval`` seconds from ``progress()`` (a percentage).
+
+    ``progress`` reads the disk (cache entries, metrics.csv); failures (API down, a file being
+    replaced) are skipped, never raised: the beat must not disturb the stage it reports on.
+    """
+
+    def __init__(self, key: str, description: str, progress: Callable[[], float], interval: float):
+        self.key, self.description, self.progress, self.interval = key, description, progress, interval
+        self.value = 0.0
+        self._stop = threading.Event()
+        # The thread runs in a copy of this run's context, so the artifact belongs to this run.
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(target=context.run, args=(self._loop,), name="splitflow-heartbeat",
+                                        daemon=True)
+        self.artifact_id = None
+
+    def _post(self) -> None:
+        from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+        if self.artifact_id is None:
+            self.artifact_id = create_progress_artifact(self.value, key=self.key, description=self.description)
+        else:
+            update_progress_artifact(self.artifact_id, progress=self.value)
+
+    def _measure(self) -> None:
+        self.value = max(0.0, min(100.0, float(self.progress())))
+
+    def _loop(self) -> None:
+        # Post first, measure after: a slow measurement (a busy disk) must not delay the beat.
+        while True:
+            for step in (self._post, self._measure):
+                try:
+                    step()
+                except Exception as err:  # noqa: BLE001 -- reporting must never fail the stage
+                    logging.getLogger(__name__).debug("heartbeat skipped: %s", err)
+            if self._stop.wait(self.interval):
+                return
+
+    def __enter__(self) -> "Heartbeat":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * self.interval)
+        try:
+            self._measure()  # the final value (100 % when the stage finished)
+            self._post()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _percent(done: int, total: int) -> float:
+    return 100.0 * done / total if total else 0.0
+
+
+def part_heartbeat(cfg: RunConfig, name: str, part: int) -> Heartbeat:
+    """Progress of one preprocess part: its rows cached or skipped, read from the cache."""
+    from stages.status import part_progress
+
+    label = stage_label(name, "preprocess", part, cfg.preprocess.parts)
+    return Heartbeat(artifact_key(name, "preprocess-part", part + 1, "of", cfg.preprocess.parts, "progress"),
+                     f"{label}: rows done", lambda: _percent(*part_progress(cfg, part)), cfg.orchestration.heartbeat_s)
+
+
+def train_heartbeat(cfg: RunConfig, name: str) -> Heartbeat:
+    """Progress of training from ``metrics.csv``; each new step also goes to the run's logs."""
+    from prefect import get_run_logger
+
+    from stages.status import train_progress, work_left
+
+    logger, label = get_run_logger(), stage_label(name, "train")
+    seen = {"step": 0, "total": None}
+
+    def progress() -> float:
+        if seen["total"] is None:  # keyed once (digests are remembered), in the beat's thread
+            seen["total"] = work_left(cfg).total_steps
+        step, loss = train_progress(cfg)
+        if step != seen["step"]:
+            seen["step"] = step
+            logger.info("%s: step %d of %d, loss %.4g", label, step, seen["total"], loss)
+        return _percent(step, seen["total"])
+
+    return Heartbeat(artifact_key(name, "train-progress"), f"{label}: steps done", progress,
+                     cfg.orchestration.heartbeat_s)

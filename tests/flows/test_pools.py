@@ -1,0 +1,232 @@
+"""Stage runs on real work pools: one ``prefect server start`` and process workers on two pools,
+each with a concurrency limit of 1 (one GPU per pool), shared by the tests of this module.
+
+Each test is what a user would try: the unattended deployment with a bad row skipped; a node
+lost mid-part; a bad row without skipping; the server going away mid-run, briefly and for good.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from cache_store import open_cache
+from stages.demo import demo_config, write_demo_dataset, write_demo_model
+
+from .pool_cluster import Cluster
+
+SECRET = "SENTINEL-S3CRET-d41d8cd9"
+FAST = ["orchestration.heartbeat_s=2", "orchestration.stale_after_s=8", "orchestration.retry_delay_s=1",
+        "orchestration.poll_s=1", "train.save_steps=1", "train.max_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pools")
+    cluster = Cluster(root)
+    try:
+        cluster.start_server()
+        for pool in ("cheap", "big"):
+            cluster.create_pool(pool, limit=1)
+        for pool in ("cheap", "big"):
+            cluster.start_worker(pool)
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pool-assets")
+    write_demo_dataset(root / "dataset", count=32)  # the lost-node test needs parts long enough to kill
+    write_demo_model(root / "model")
+    return root
+
+
+def _config(assets: Path, workdir: Path, *overrides: str, bad_row: int | None = None, rows: int = 16) -> Path:
+    shutil.copytree(assets / "dataset", workdir / "dataset")
+    metadata = workdir / "dataset" / "metadata.csv"
+    metadata.write_text("\n".join(metadata.read_text().splitlines()[: rows + 1]) + "\n")
+    if bad_row is not None:  # a corrupt image: what a user's dataset holds sooner or later
+        row = metadata.read_text().splitlines()[bad_row + 1]
+        (workdir / "dataset" / row.split(",")[0]).write_bytes(b"not a png")
+    cfg = demo_config(workdir, overrides=[f"model.path={assets / 'model'}", "preprocess.parts=2", *FAST,
+                                          *overrides])
+    return cfg.save(workdir / f"{workdir.name}.toml")
+
+
+def _finish(process, timeout: float = 400) -> tuple[int, str, str]:
+    out, err = process.communicate(timeout=timeout)
+    return process.returncode, out, err
+
+
+def _runs(cluster: Cluster, name: str) -> list:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+
+    with cluster.client() as client:
+        return client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"run:{name}"])))
+
+
+def _artifact(cluster: Cluster, run_id, key: str):
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    with cluster.client() as client:
+        (artifact,) = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]), key=ArtifactFilterKey(any_=[key])))
+    return json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
+
+
+def _wait_final(cluster: Cluster, run_id, timeout: float = 400):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with cluster.client() as client:
+            run = client.read_flow_run(run_id)
+        if run.state.is_final():
+            return run
+        time.sleep(1)
+    raise TimeoutError(f"flow run {run_id} not final after {timeout} s")
+
+
+def test_deployed_run_skips_a_bad_row_and_shows_names_tags_logs_artifacts(cluster, assets, tmp_path):
+    """The unattended form: deploy, a control-pool worker, one trigger; nothing secret reaches Prefect."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    config = _config(assets, tmp_path / "skipper", "dataset.skip_bad_samples=true",
+                     f'cache.storage_options={{secret_token="{SECRET}"}}',  # a literal: the worst case
+                     'train.validation_prompts=["a red circle"]', "train.validation_steps=2",
+                     "train.validation_inference_steps=2", bad_row=5)
+    code, out, err = _finish(cluster.splitflow("deploy", str(config), "--preprocess-pool", "cheap",
+                                               "--train-pool", "big", "--control-pool", "control"))
+    assert code == 0, err
+    assert json.loads(out[out.index("{"):])["pools_created"] == ["control"]
+    cluster.start_worker("control")
+    with temporary_settings(updates={PREFECT_API_URL: cluster.url}):
+        parent = run_deployment("splitflow-coordinate/skipper", timeout=0)
+    parent = _wait_final(cluster, parent.id)
+    assert parent.state.is_completed(), parent.state.message
+
+    cfg_output = tmp_path / "skipper" / "output"
+    assert (cfg_output / "lora.safetensors").is_file()
+    store = open_cache(tmp_path / "skipper" / "cache.zarr")
+    assert len(store.require_complete()) == 15 and [v["row"] for v in store.skipped().values()] == [5]
+
+    runs = {run.name: run for run in _runs(cluster, "skipper")}
+    assert {"skipper/preprocess part 1 of 2", "skipper/preprocess part 2 of 2", "skipper/train"} <= set(runs)
+    part2 = runs["skipper/preprocess part 2 of 2"]
+    assert {"splitflow", "run:skipper", "family:qwen_image", "stage:preprocess", "part:1"} <= set(part2.tags)
+    assert any(tag.startswith("config:") for tag in part2.tags)
+    assert all(run.state.is_completed() for run in runs.values())
+    with cluster.client() as client:
+        artifacts = {a.key: a for a in client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[r.id for r in runs.values()])))}
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[r.id for r in runs.values()])))
+        deployments = client.read_deployments()
+    table = json.loads(artifacts["skipper-preprocess-part-2-of-2"].data)
+    skipped = [row for row in table if row["outcome"] == "skipped"]
+    assert len(skipped) == 1 and skipped[0]["row"] == 5 and skipped[0]["file"].endswith(".png") and skipped[0]["reason"]
+    assert "| final loss |" in artifacts["skipper-train-summary"].data
+    assert artifacts["skipper-loss-curve"].data.startswith("data:image/png;base64,")
+    assert artifacts["skipper-validation-0"].data.startswith("data:image/png;base64,")
+    assert artifacts["skipper-train-progress"].data == 100
+    messages = [log.message for log in logs]
+    assert any("preprocess (part 2/2)" in m and "1 bad rows skipped" in m for m in messages)  # the stage's own line
+    assert any("skipper/train: step 2 of 2" in m for m in messages)
+    everything = json.dumps([r.model_dump(mode="json") for r in runs.values()] + messages
+                            + [a.model_dump(mode="json") for a in artifacts.values()]
+                            + [d.model_dump(mode="json") for d in deployments])
+    assert str(config) in everything and SECRET not in everything
+
+
+def _wait_for(predicate, what: str, timeout: float = 300, process=None):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"splitflow exited before {what}: {process.communicate()[1][-3000:]}")
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def _committed(cache: Path) -> int:
+    try:
+        return len(open_cache(cache).keys())
+    except Exception:  # noqa: BLE001 -- not created yet
+        return 0
+
+
+def test_a_node_lost_mid_part_is_resubmitted_and_nothing_is_encoded_twice(cluster, assets, tmp_path):
+    """SIGKILL the cheap pool's worker and its flow-run process mid-part; start a new worker later."""
+    config = _config(assets, tmp_path / "lost", "preprocess.commit_every=1", rows=32)
+    run = cluster.splitflow("run", str(config), "--preprocess-pool", "cheap", "--train-pool", "big")
+    cache = tmp_path / "lost" / "cache.zarr"
+    _wait_for(lambda: 2 <= _committed(cache), "the first entries of a part", process=run)
+    cluster.kill_node("cheap")
+    before = _committed(cache)
+    assert before < 16, "the part finished before the node was lost"
+    _wait_for(lambda: any(r.state.is_crashed() for r in _runs(cluster, "lost")), "the lost run marked Crashed",
+              process=run)
+    cluster.start_worker("cheap")
+    code, out, err = _finish(run)
+    assert code == 0, err[-3000:]
+
+    store = open_cache(cache)
+    assert len(store.require_complete()) == 32 and store.duplicates == 0
+    manifests = [json.loads(p.read_text()) for p in (cache / "manifests").glob("*.json")]
+    assert sum(len(m["entries"]) for m in manifests) == 32  # every entry committed exactly once
+    runs = _runs(cluster, "lost")
+    lost = [r for r in runs if r.state.is_crashed()]
+    assert len(lost) == 1 and "no heartbeat" in lost[0].state.message
+    label = lost[0].name
+    again = [r for r in runs if r.name == f"{label} (attempt 2)"]
+    assert len(again) == 1 and again[0].state.is_completed() and "attempt:2" in again[0].tags
+    part = int(label.split()[-3])  # "lost/preprocess part K of 2"
+    table = _artifact(cluster, again[0].id, f"lost-preprocess-part-{part}-of-2")
+    counts = {row["outcome"]: row["rows"] for row in table}
+    assert counts == {"encoded": 16 - before, "reused": before}  # only what was missing
+    assert json.loads(out[out.index("{"):])["train"]["steps"] == 2
+
+
+def test_a_bad_row_without_skipping_fails_once_and_at_once(cluster, assets, tmp_path):
+    config = _config(assets, tmp_path / "strict", "preprocess.parts=1", "preprocess.retries=2", bad_row=3)
+    code, out, err = _finish(cluster.splitflow("run", str(config), "--preprocess-pool", "cheap",
+                                               "--train-pool", "big"))
+    assert code == 2, err[-3000:]
+    bad = (tmp_path / "strict" / "dataset" / "metadata.csv").read_text().splitlines()[4].split(",")[0]
+    assert "Traceback" not in err
+    error = [line for line in err.splitlines() if line.startswith("splitflow run: error:")]
+    assert len(error) == 1 and bad in error[0] and "index 3" in error[0] and "part 1 of 1" in error[0]
+    runs = _runs(cluster, "strict")
+    assert [r.name for r in runs] == ["strict/preprocess part 1 of 1"] and runs[0].state.is_failed()
+    assert runs[0].state.message.startswith("[splitflow:input]")
+    home = Path(cluster.env["PREFECT_HOME"])  # PREFECT_API_URL set: no private server was started
+    assert not list(home.glob("splitflow-server-*")) and not (home / "server.log").exists()
+
+
+def test_a_server_outage_longer_than_the_grace_period_then_a_rerun(cluster, assets, tmp_path):
+    """Stop the server mid-training: the CLI gives up after the grace period in one line (exit 3),
+    training goes on on its worker; once the server is back, a re-run completes and no run is left open."""
+    config = _config(assets, tmp_path / "outage", "orchestration.api_grace_s=5", "train.max_steps=8",
+                     "preprocess.parts=1")
+    run = cluster.splitflow("run", str(config), "--preprocess-pool", "cheap", "--train-pool", "big")
+    metrics = tmp_path / "outage" / "output" / "metrics.csv"
+    _wait_for(metrics.is_file, "training to start", process=run)
+    cluster.stop_server()
+    code, out, err = _finish(run, timeout=120)
+    assert code == 3, err[-3000:]
+    assert "Traceback" not in err
+    error = [line for line in err.splitlines() if line.startswith("splitflow run: error:")]
+    assert len(error) == 1 and "unreachable" in error[0] and "Work on disk is kept" in error[0], err
+    cluster.start_server()
+
+    code, out, err = _finish(cluster.splitflow("run", str(config), "--preprocess-pool", "cheap",
+                                               "--train-pool", "big"))
+    assert code == 0, err[-3000:]
+    assert json.loads(out[out.index("{"):])["train"]["steps"] == 8
+    runs = _runs(cluster, "outage")
+    assert runs and all(r.state.is_final() for r in runs), [(r.name, r.state.type) for r in runs]
+    assert [r.name for r in runs if r.name.endswith("/train")] == ["outage/train"]  # adopted, not re-run
