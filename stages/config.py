@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import tomllib
@@ -228,11 +229,25 @@ class OffloadSection(_Section):
     # MB, as in DiffSynth-Studio: a unit with more bytes of weights is split into its children.
     cpu_offload_split_threshold: float | None = Field(None, gt=0, allow_inf_nan=False)
     # Cap on the GPU's peak memory (GiB) or "auto" (what is free, minus 5 %); 0: stream every block.
-    vram_budget_gb: Annotated[float, Field(ge=0, allow_inf_nan=False)] | Literal["auto"] = 0.0
+    vram_budget_gb: float | Literal["auto"] = 0.0
     prefetch: int = Field(1, ge=0)
     granularity: Literal["block", "leaf"] = "block"
     # Host copy (and copies to the GPU) of frozen weights; fp8 uses one scale per row.
     storage_dtype: Literal["float8_e4m3fn", "float8_e5m2", "bfloat16", "float16"] | None = None
+
+    @field_validator("vram_budget_gb", mode="before")
+    @classmethod
+    def _budget_is_auto_or_finite(cls, value: Any) -> Any:
+        # one message for both forms (a union would report each branch's complaint)
+        if value == "auto":
+            return value
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"Input should be a finite number >= 0 (GiB) or 'auto', got {value!r}") from None
+        if not math.isfinite(number) or number < 0:
+            raise ValueError(f"Input should be a finite number >= 0 (GiB) or 'auto', got {value!r}")
+        return number
 
 
 class OutputSection(_Section):

@@ -7,6 +7,7 @@ lost mid-part; a bad row without skipping; the server going away mid-run, briefl
 
 from __future__ import annotations
 
+from collections import Counter
 import json
 import shutil
 import time
@@ -177,7 +178,9 @@ def test_a_node_lost_mid_part_is_resubmitted_and_nothing_is_encoded_twice(cluste
     store = open_cache(cache)
     assert len(store.require_complete()) == 32 and store.duplicates == 0
     manifests = [json.loads(p.read_text()) for p in (cache / "manifests").glob("*.json")]
-    assert sum(len(m["entries"]) for m in manifests) == 32  # every entry committed exactly once
+    committed = Counter(rec["key"] for m in manifests for rec in m["entries"])  # rows and the empty prompt
+    assert max(committed.values()) == 1, committed.most_common(3)  # every entry committed exactly once
+    assert set(committed) - set(store.keys()) == {k for k in committed if k.startswith("aux.empty-prompt.")}
     runs = _runs(cluster, "lost")
     lost = [r for r in runs if r.state.is_crashed()]
     assert len(lost) == 1 and "no heartbeat" in lost[0].state.message

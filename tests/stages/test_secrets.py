@@ -16,6 +16,8 @@ from tests.stages.test_identity import keep_rows
 
 
 def test_references_resolve_from_the_environment_and_registered_resolvers(monkeypatch):
+    # flows tests earlier in the session register the Prefect resolver in this process: start bare
+    monkeypatch.setattr(secrets, "_RESOLVERS", {})
     monkeypatch.setenv("SPLITFLOW_TEST_SECRET", "s3cr3t")
     options = {"secret": "${SPLITFLOW_TEST_SECRET}", "client_kwargs": {"endpoint_url": "http://h:${SPLITFLOW_PORT}"},
                "note": "costs $${DOLLARS}", "retries": 3}
