@@ -273,6 +273,9 @@ class Bench:
             self.out["gpus"] = {"visible": count, "note": "one GPU here: the 1 vs 2/4-GPU scaling was not run"}
             return
         data = self.root / "images" / "metadata.csv"
+        if not data.is_file():  # `--steps gpus` alone: the throughput step did not write them
+            write_dataset(self.root / "images", self.args.images, self.side)
+            write_dataset(self.root / "warm", 2, self.side, seed=1)
         keys = {"offload_encoders": True, "vram_budget_gb": self.budget, "batch_size": self.args.batch}
         result = {}
         with released_encoders(self.spec, self.variant, resident=False):
