@@ -19,8 +19,8 @@ for each rank count N runs what a user runs on a node,
 
 Both are reported over the whole run (model load included) and over the training phase (from the
 first row of ``metrics.csv`` on), against the DiT's bytes.  samples/s comes from rank 0's
-``metrics.csv`` (its per-step time; every rank trains the same batch size) over the steps after
-``--warmup``: N x samples / step time.  ``scaling_vs_linear`` = samples/s(N) / (N x samples/s(1)).
+``metrics.csv`` over the steps after ``--warmup``: samples / step time (rank 0's row counts every
+rank's samples of the step).  ``scaling_vs_linear`` = samples/s(N) / (N x samples/s(1)).
 Prints one JSON document.
 """
 
@@ -65,6 +65,17 @@ def pss_bytes(pid: int) -> int:
     return 0
 
 
+def rss_fields(pid: int) -> dict[str, int]:
+    """VmRSS split as /proc/PID/status splits it: RssAnon, RssFile, RssShmem (bytes)."""
+    out = {}
+    with open(f"/proc/{pid}/status") as handle:
+        for line in handle:
+            if line.startswith(("VmRSS:", "RssAnon:", "RssFile:", "RssShmem:")):
+                name, value = line.split(":", 1)
+                out[name] = int(value.split()[0]) * 1024
+    return out
+
+
 class HostSampler:
     """Peaks of the machine's used memory (10 Hz) and of the launched tree's PSS sum (2 Hz), split
     at the moment ``training_started()`` first answers True."""
@@ -75,7 +86,7 @@ class HostSampler:
         self.root, self.psutil, self.training_started = psutil.Process(pid), psutil, training_started
         self.baseline = machine_used_bytes()
         self.peak = {"all": {"used": 0, "pss": 0}, "training": {"used": 0, "pss": 0}}
-        self.rank_rss: dict[int, int] = {}
+        self.rank_rss: dict[int, dict[str, int]] = {}  # pid -> peak of each /proc/PID/status Rss* field
         self.training_at: float | None = None
         self.samples = 0
         self._t0 = time.perf_counter()
@@ -109,7 +120,9 @@ class HostSampler:
             try:
                 total += pss_bytes(proc.pid)
                 if proc is not self.root:
-                    self.rank_rss[proc.pid] = max(self.rank_rss.get(proc.pid, 0), proc.memory_info().rss)
+                    peaks = self.rank_rss.setdefault(proc.pid, {})
+                    for name, value in rss_fields(proc.pid).items():
+                        peaks[name] = max(peaks.get(name, 0), value)
             except (OSError, self.psutil.Error):  # a rank that just exited
                 continue
         return total
@@ -121,7 +134,8 @@ class HostSampler:
         for phase, peak in self.peak.items():
             out[phase] = {"used_gb": peak["used"] / GB, "used_over_dit": peak["used"] / dit_bytes,
                           "pss_sum_gb": peak["pss"] / GB, "pss_sum_over_dit": peak["pss"] / dit_bytes}
-        out["rank_rss_peak_gb"] = sorted((v / GB for v in self.rank_rss.values()), reverse=True)
+        # per rank: RssAnon is its private memory, RssShmem its mapping of the shared copy, RssFile libraries
+        out["rank_rss_peak_gb"] = [{k: round(v / GB, 3) for k, v in peaks.items()} for peaks in self.rank_rss.values()]
         return out
 
 
@@ -166,11 +180,50 @@ def train_with(nprocs: int, config: Path, out: Path, overrides: list[str], dit_b
     # what each rank adds besides the host copy (torch, CUDA context, loader): extrapolates to other DiT sizes
     host["training"]["beyond_arena_per_rank_gb"] = (host["training"]["used_gb"] - report["arena_bytes"] / GB) / nprocs
     return {"ranks": nprocs, "wall_s": round(wall, 2), "steps_measured": len(rows),
-            "s_per_step": round(step_s / len(rows), 4), "samples_per_s": round(nprocs * samples / step_s, 3),
+            "s_per_step": round(step_s / len(rows), 4), "samples_per_step": samples / len(rows),
+            "samples_per_s": round(samples / step_s, 3),  # a row's samples are the whole step's, every rank's
             "host": host, "arena_bytes": report["arena_bytes"], "arena_shared": report.get("arena_shared"),
             "pinned": report["pinned"], "h2d_gb_per_step": report["last_step_h2d_bytes"] / GB,
             "resident_units": report["budget_units"], "streamed_units": report["streamed_units"],
             "share_warnings": [line for line in output.splitlines() if "cannot share" in line][:4]}
+
+
+# --- what a rank costs before any weight ----------------------------------------------------------
+def probe() -> None:
+    """Run by each rank of ``torchrun -m bench.ranks --probe``: this process's RssAnon (private host
+    memory) after each thing a training rank sets up before it loads a weight; one JSON line."""
+    steps = {"python+torch": rss_fields(os.getpid())}
+    import flows.cli  # noqa: F401  what `flows.cli train --in-process` imports
+    from stages import train  # noqa: F401
+    from stages.common import init_distributed
+
+    steps["training_modules"] = rss_fields(os.getpid())
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        from diffsynth_core.training.device import avoid_broken_kernels
+
+        avoid_broken_kernels(device)
+    device = init_distributed(device)
+    torch.zeros(1, device=device)
+    steps["device_context"] = rss_fields(os.getpid())
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(torch.ones(1 << 20, device=device))
+    steps["process_group"] = rss_fields(os.getpid())
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q = torch.randn(1, 24, 4096, 128, device=device, dtype=dtype, requires_grad=True)
+    torch.nn.functional.scaled_dot_product_attention(q, q, q).sum().backward()
+    (torch.randn(3072, 3072, device=device, dtype=dtype) @ torch.randn(3072, 3072, device=device, dtype=dtype)).sum()
+    torch.cuda.synchronize() if device.type == "cuda" else None
+    steps["attention+matmul"] = rss_fields(os.getpid())
+    print("PROBE " + json.dumps({step: {k: round(v / GB, 3) for k, v in f.items()} for step, f in steps.items()}))
+
+
+def bare_ranks(nprocs: int, env: dict) -> list[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nprocs), "--master-addr",
+           "127.0.0.1", "--master-port", str(_free_port()), "-m", "bench.ranks", "--probe"]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    lines = [line.split("PROBE ", 1)[1] for line in done.stdout.splitlines() if "PROBE " in line]
+    return [json.loads(line) for line in lines] or [{"error": done.stderr[-1500:]}]
 
 
 # --- the whole benchmark -------------------------------------------------------------------------
@@ -211,7 +264,14 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny model, 2 gloo ranks on the CPU")
     ap.add_argument("--set", action="append", default=[], help="extra `--set` overrides for every run")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--probe-only", action="store_true", help="only the bare ranks' host memory (no model)")
     a = ap.parse_args()
+    if a.probe:
+        return probe()
+    if a.probe_only:
+        n = _rank_counts(a.ranks, a.smoke)[-1]
+        return print(json.dumps({"bare_ranks": {str(n): bare_ranks(n, _env(a.smoke))}}, indent=1))
     if a.smoke:
         a.pixels, a.images, a.steps, a.warmup = 64, 4, 4, 1
     workdir = Path(a.workdir)
@@ -224,6 +284,8 @@ def main() -> None:
     for n in _rank_counts(a.ranks, a.smoke):
         out["runs"][str(n)] = train_with(n, config, workdir / f"out-{n}", a.set, dit, a.warmup, _env(a.smoke))
         _save(out, a.out)
+    n = max(int(k) for k in out["runs"])
+    out["bare_ranks"] = {str(n): bare_ranks(n, _env(a.smoke))}  # where a rank's own host memory goes
     one = out["runs"].get("1")
     for n, run in out["runs"].items():
         if one and n != "1":
