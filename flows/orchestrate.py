@@ -37,11 +37,14 @@ def orchestrate(cfg: RunConfig, ref: str | None, overrides: list[str], name: str
     url = configured_api_url()  # before PREFECT_HOME moves: the user's profile may name their server
     check_overrides(overrides)  # overrides become run parameters: no credentials there
     if pooled:
+        _check_lora_targets(cfg, stages)
         with prefect_session(cfg, url, True, debug) as session:
             return _on_pools(cfg, ref, overrides, name, stages, pools, session.url)
     left = work_left(cfg)  # decided from disk, before Prefect is imported or a server started
     if not (left.preprocess or ("train" in stages and left.train)):
         return idle_summary(cfg, stages)
+    if left.train:
+        _check_lora_targets(cfg, stages)
     with prefect_session(cfg, url, False, debug) as session:
         from prefect import tags
 
@@ -50,6 +53,16 @@ def orchestrate(cfg: RunConfig, ref: str | None, overrides: list[str], name: str
 
         with tags(*run_tags(cfg, name, "local")), _outage_as_one_line(cfg, session.url):
             return split_training(ref, overrides, name, stages)
+
+
+def _check_lora_targets(cfg: RunConfig, stages: tuple[str, ...]) -> None:
+    """A LoRA target naming no Linear of the DiT is one line now, not after a server start and a retry."""
+    if "train" not in stages:
+        return
+    from diffsynth_core.models import get_family
+    from stages.common import check_lora_targets
+
+    check_lora_targets(cfg, get_family(cfg.model.family))
 
 
 @contextlib.contextmanager

@@ -356,14 +356,9 @@ def run_config_from_cli(config: str | None, sets: list[str], tokens: list[str], 
     _apply_training(data, flags, defaults, family, stage)
     _apply_family_defaults(data, flags, defaults, family)
     _apply_dataset(data, flags, stage)
-    cfg = build_config(data, list(sets), source=config or "DiffSynth-Studio flags")
-    if stage in ("run", "train", "resume"):
-        from diffsynth_core.models import get_family
-
-        from ..common import check_lora_targets
-
-        check_lora_targets(cfg, get_family(cfg.model.family))
-    return cfg
+    # LoRA targets are checked against the model by the verb, once it knows training has work left
+    # (flows/orchestrate.py): building the DiT on meta costs seconds a finished run need not pay.
+    return build_config(data, list(sets), source=config or "DiffSynth-Studio flags")
 
 
 def flag_overrides(tokens: list[str]) -> list[str]:
