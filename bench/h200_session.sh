@@ -22,12 +22,15 @@ benches)
     --out "$OUT/offload_h200.json" > /dev/null
   ;;
 peak)
-  timeout 90 python3 -m pytest -q -p no:cacheprovider -k "not nccl" tests/core/offload/test_offload_gpu.py \
-    tests/core/gradient/test_activation_offload_gpu.py > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
-  timeout 130 python3 -m bench.side_by_side --musubi-file "$2" --out "$OUT/side_by_side_h200.json" \
-    --rows streamed,fp8_streamed,streamed_act,budget_12_of_24,budget_12_of_24_act > /dev/null
-  timeout "$(left)" python3 -m bench.offload --cases qwen20b --qwen-rows fp8_budget_16gb,fp8_budget_16gb_act \
-    --out "$OUT/offload_h200.json" > /dev/null
+  timeout 60 python3 -m pytest -q -p no:cacheprovider -k "not nccl and not optimizer" \
+    tests/core/offload/test_offload_gpu.py tests/core/gradient/test_activation_offload_gpu.py \
+    > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
+  timeout 150 python3 -m bench.side_by_side --musubi-file "$2" --out "$OUT/side_by_side_h200.json" \
+    --rows "${ROWS:-streamed,fp8_streamed,streamed_act,budget_12_of_24_act}" > /dev/null
+  if [ "$(left)" -ge 110 ]; then  # resident + fp8 under 16 GB, ~50 s a row
+    timeout "$(left)" python3 -m bench.offload --cases qwen20b --qwen-rows "${QWEN_ROWS:-fp8_budget_16gb}" \
+      --out "$OUT/offload_h200.json" > /dev/null
+  fi
   ;;
 e2e)
   timeout "$(left)" python3 -m bench.e2e_gpu --workdir /tmp/splitflow-e2e --out "$OUT/e2e_h200.json" \

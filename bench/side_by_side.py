@@ -91,10 +91,24 @@ def _spawn(cmd: list[str]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+class Rows(dict):
+    """The rows so far, written to ``out`` after each one (a run cut short keeps what it measured)."""
+
+    def __init__(self, out: str | None):
+        super().__init__()
+        self.out = out
+
+    def __setitem__(self, name, row) -> None:
+        super().__setitem__(name, row)
+        if self.out:
+            Path(self.out).write_text(json.dumps({"partial": True, "rows": self}, indent=1))
+
+
 def orchestrate(args) -> dict:
     device = torch.device(args.device)
     common = ["--size", args.size, "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    rows = {"resident": _spawn(["-m", "bench.side_by_side", "--worker", "resident", *common])}
+    rows = Rows(args.out)
+    rows["resident"] = _spawn(["-m", "bench.side_by_side", "--worker", "resident", *common])
     for mode in ROWS:
         if mode in args.rows and not mode.startswith("budget"):
             rows[mode] = _spawn(["-m", "bench.side_by_side", "--worker", mode, *common])
@@ -114,7 +128,7 @@ def orchestrate(args) -> dict:
     summarise(rows, bandwidth)
     return {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
             "size": dict(zip(("blocks", "width", "tokens"), SIZES[args.size])), "h2d_pinned_gb_s": bandwidth,
-            "rows": rows}
+            "rows": dict(rows)}
 
 
 def summarise(rows: dict, bandwidth: float | None) -> None:
