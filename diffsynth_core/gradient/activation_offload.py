@@ -17,7 +17,8 @@ asks for it.  Here:
   already on its way, so the compute stream only waits for a copy that has landed.
 
 So at most two block inputs are on the device in backward.  A tensor packed again while still
-alive (an embedding passed to every block) is copied to the host once.  Host buffers come from
+alive (an embedding passed to every block) is copied to the host once, and one the caller still
+holds unchanged when backward needs it (the model's input) is handed back as is, not copied.  Host buffers come from
 PyTorch's pinned (caching) host allocator, which also keeps a buffer from being reused before the
 copies reading it have run.  On a CPU device there is nothing to move: tensors pass through.
 """
@@ -35,13 +36,19 @@ MIN_BYTES = 1 << 20
 class _Saved:
     """One packed tensor: its host copy, and its device copy while fetched for backward."""
 
-    __slots__ = ("host", "device", "d2h_done", "gpu", "ready", "prev", "origin", "__weakref__")
+    __slots__ = ("host", "device", "d2h_done", "gpu", "ready", "prev", "origin", "version", "__weakref__")
 
-    def __init__(self, host, device, d2h_done, prev, origin):
+    def __init__(self, host, device, d2h_done, prev, origin: torch.Tensor):
         self.host, self.device, self.d2h_done = host, device, d2h_done
         self.gpu, self.ready = None, None
         self.prev = prev  # weakref to the _Saved packed just before: what backward needs next
-        self.origin = origin  # weakref to the device tensor, for packing a live tensor once
+        self.origin = weakref.ref(origin)  # the device tensor, while something else keeps it alive
+        self.version = origin._version
+
+    def alive(self) -> torch.Tensor | None:
+        """The device tensor itself, if the caller still holds it unchanged (nothing to copy back)."""
+        t = self.origin()
+        return t if t is not None and t._version == self.version else None
 
 
 class ActivationOffloader:
@@ -67,7 +74,7 @@ class ActivationOffloader:
         if not t.is_cuda or t.numel() * t.element_size() < self.min_bytes:
             return t
         known = self.live.get(id(t))
-        if known is not None and known.origin() is t:  # packed before and still alive: one host copy
+        if known is not None and known.alive() is t:  # packed before, alive and unchanged: one host copy
             return known
         d2h, _ = self._streams(t.device)
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -77,7 +84,7 @@ class ActivationOffloader:
             done = d2h.record_event()
         t.record_stream(d2h)  # its memory is reused only after the copy has read it
         self.d2h_bytes += host.numel() * host.element_size()
-        saved = _Saved(host, t.device, done, self.last, weakref.ref(t))
+        saved = _Saved(host, t.device, done, self.last, t)
         self.last = weakref.ref(saved)
         self.live[id(t)] = saved
         return saved
@@ -85,13 +92,15 @@ class ActivationOffloader:
     def unpack(self, saved):
         if not isinstance(saved, _Saved):
             return saved
-        if saved.gpu is None:
-            self._fetch(saved)
-        out, ready = saved.gpu, saved.ready
+        out = saved.alive()  # e.g. the model's input, or a tensor every block takes
+        if out is None:
+            if saved.gpu is None:
+                self._fetch(saved)
+            out, ready = saved.gpu, saved.ready
+            torch.cuda.current_stream(out.device).wait_event(ready)
         saved.gpu = saved.ready = None  # the consumer holds it now; freed when it is done
-        torch.cuda.current_stream(out.device).wait_event(ready)
         prev = saved.prev() if saved.prev is not None else None
-        if prev is not None and prev is not saved and prev.gpu is None:
+        if prev is not None and prev is not saved and prev.gpu is None and prev.alive() is None:
             self._fetch(prev)  # backward needs it next: copy it while this one's block computes
         return out
 
@@ -106,5 +115,6 @@ class ActivationOffloader:
         with torch.cuda.stream(h2d):
             gpu.copy_(saved.host, non_blocking=True)
             saved.ready = h2d.record_event()
+        gpu.record_stream(h2d)  # dropped unused (its original came back), it is not reused mid-copy
         saved.gpu = gpu
         self.h2d_bytes += gpu.numel() * gpu.element_size()
