@@ -2,6 +2,8 @@
 # The H200 runs behind bench/results/*_h200.json, from the repository root on a CUDA machine:
 #   bench/h200_session.sh benches MUSUBI_FILE   # side by side with musubi, Qwen-Image 20B, optimizer, fp8, determinism
 #   bench/h200_session.sh e2e                   # splitflow run, full-depth Qwen-Image folder
+#   bench/h200_session.sh peak MUSUBI_FILE       # issue-12 peaks: GPU tests, stack rows (+ offloaded
+#                                                # block inputs), Qwen-Image 20B fp8 under 16 GB
 # MUSUBI_FILE is musubi-tuner's src/musubi_tuner/modules/custom_offloading_utils.py (not shipped here).
 # JSON lands in $OUT (default ./h200-out); each step has its own time limit inside one overall deadline.
 set -u
@@ -18,6 +20,17 @@ benches)
   timeout 170 python3 -m bench.side_by_side --musubi-file "$2" --out "$OUT/side_by_side_h200.json" > /dev/null
   timeout "$(left)" python3 -m bench.offload --cases optim,qwen20b,fp8_loss,determinism \
     --out "$OUT/offload_h200.json" > /dev/null
+  ;;
+peak)
+  timeout 60 python3 -m pytest -q -p no:cacheprovider -k "not nccl and not optimizer" \
+    tests/core/offload/test_offload_gpu.py tests/core/gradient/test_activation_offload_gpu.py \
+    > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
+  timeout 150 python3 -m bench.side_by_side --musubi-file "$2" --out "$OUT/side_by_side_h200.json" \
+    --rows "${ROWS:-streamed,fp8_streamed,streamed_act,budget_12_of_24_act}" > /dev/null
+  if [ "$(left)" -ge 110 ]; then  # resident + fp8 under 16 GB, ~50 s a row
+    timeout "$(left)" python3 -m bench.offload --cases qwen20b --qwen-rows "${QWEN_ROWS:-fp8_budget_16gb}" \
+      --out "$OUT/offload_h200.json" > /dev/null
+  fi
   ;;
 e2e)
   timeout "$(left)" python3 -m bench.e2e_gpu --workdir /tmp/splitflow-e2e --out "$OUT/e2e_h200.json" \

@@ -6,7 +6,8 @@ The same 24x3072 LoRA stack (``bench/dit_stack.py``: 4096 tokens, checkpointing,
 Linear, fused AdamW on the adapters) is trained in separate processes: all weights resident; our
 engine with every block streamed (blocks as units; and split into Linears by
 ``cpu_offload_split_threshold``, which shrinks the slots); fp8 storage; a GPU budget that keeps 12
-of the 24 blocks resident; and musubi's offloader (``bench/musubi_harness.py``) with 24 and with 12
+of the 24 blocks resident; rows ending in ``_act`` also keep the checkpointed block inputs in host
+memory (``offload_activations``); and musubi's offloader (``bench/musubi_harness.py``) with 24 and with 12
 blocks swapped.  Prints one JSON document: s/step (median), peak ``max_memory_allocated``,
 host->device bytes per step, and ratios to ``bound = max(resident s/step, bytes / pinned bandwidth)``.
 Without ``--musubi-file`` the musubi rows are skipped.  ``--size quick --device cpu`` checks the
@@ -27,11 +28,16 @@ from bench.dit_stack import SIZES, build, pinned_bandwidth, timed_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB, GIB = 2**20, 2**30
+# Our rows; "_act": the same with the checkpointed block inputs offloaded to host memory
+# (``apply_gradient_checkpointing(..., offload_activations=True)``).
+ROWS = ("streamed", "streamed_split", "fp8_streamed", "streamed_act", "fp8_streamed_act",
+        "budget_12_of_24", "budget_12_of_24_act")
 
 
 def engine_options(mode: str, size: str, budget_gib: float | None) -> dict:
     """Our engine's options for each row."""
     linear = max(4, 4) * SIZES[size][1] ** 2 * 2  # the largest Linear of a block (up/down), bf16 bytes
+    mode = mode.removesuffix("_act")  # the same engine options, with the block inputs offloaded
     return {"streamed": dict(prefetch=1),
             "streamed_split": dict(prefetch=2, cpu_offload_split_threshold=1.2 * linear / MIB),
             "fp8_streamed": dict(prefetch=1, storage_dtype=torch.float8_e4m3fn),
@@ -46,7 +52,7 @@ def run_worker(args) -> dict:
 
     device = avoid_broken_kernels(args.device)
     model, x = build(args.size, device)
-    apply_gradient_checkpointing(model, ("blocks",))
+    apply_gradient_checkpointing(model, ("blocks",), offload_activations=args.worker.endswith("_act"))
     mgr = None
     if args.worker != "resident":
         opts = engine_options(args.worker, args.size, args.budget_gib)
@@ -85,19 +91,35 @@ def _spawn(cmd: list[str]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+class Rows(dict):
+    """The rows so far, written to ``out`` after each one (a run cut short keeps what it measured)."""
+
+    def __init__(self, out: str | None):
+        super().__init__()
+        self.out = out
+
+    def __setitem__(self, name, row) -> None:
+        super().__setitem__(name, row)
+        if self.out:
+            Path(self.out).write_text(json.dumps({"partial": True, "rows": self}, indent=1))
+
+
 def orchestrate(args) -> dict:
     device = torch.device(args.device)
     common = ["--size", args.size, "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    rows = {"resident": _spawn(["-m", "bench.side_by_side", "--worker", "resident", *common])}
-    for mode in ("streamed", "streamed_split", "fp8_streamed"):
-        rows[mode] = _spawn(["-m", "bench.side_by_side", "--worker", mode, *common])
-    streamed = rows["streamed"]
-    if "peak_gib" in streamed and streamed["peak_gib"]:
-        # Room for 12.5 blocks above what the all-streamed step peaks at (+ the planner's margin):
-        # the planner then keeps 12 of the 24 blocks resident.
-        room = streamed["peak_gib"] + 12.5 * streamed["unit_gib"] + 256 * MIB / GIB
-        rows["budget_12_of_24"] = _spawn(["-m", "bench.side_by_side", "--worker", "budget_12_of_24", *common,
-                                          "--budget-gib", f"{room / 0.98:.4f}"])
+    rows = Rows(args.out)
+    rows["resident"] = _spawn(["-m", "bench.side_by_side", "--worker", "resident", *common])
+    for mode in ROWS:
+        if mode in args.rows and not mode.startswith("budget"):
+            rows[mode] = _spawn(["-m", "bench.side_by_side", "--worker", mode, *common])
+    for suffix in ("", "_act"):  # the budget rows plan from the matching all-streamed row's peak
+        streamed, mode = rows.get("streamed" + suffix, {}), "budget_12_of_24" + suffix
+        if mode in args.rows and streamed.get("peak_gib"):
+            # Room for 12.5 blocks above what the all-streamed step peaks at (+ the planner's margin):
+            # the planner then keeps 12 of the 24 blocks resident.
+            room = streamed["peak_gib"] + 12.5 * streamed["unit_gib"] + 256 * MIB / GIB
+            rows[mode] = _spawn(["-m", "bench.side_by_side", "--worker", mode, *common,
+                                 "--budget-gib", f"{room / 0.98:.4f}"])
     if args.musubi_file and device.type == "cuda":
         for swap in (SIZES[args.size][0], SIZES[args.size][0] // 2):
             rows[f"musubi_swap_{swap}"] = _spawn(["-m", "bench.musubi_harness", "--musubi-file", args.musubi_file,
@@ -106,7 +128,7 @@ def orchestrate(args) -> dict:
     summarise(rows, bandwidth)
     return {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
             "size": dict(zip(("blocks", "width", "tokens"), SIZES[args.size])), "h2d_pinned_gb_s": bandwidth,
-            "rows": rows}
+            "rows": dict(rows)}
 
 
 def summarise(rows: dict, bandwidth: float | None) -> None:
@@ -126,6 +148,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--musubi-file", default=None, help="musubi-tuner's custom_offloading_utils.py (not shipped)")
+    ap.add_argument("--rows", default=",".join(ROWS), type=lambda v: v.split(","),
+                    help="which of our rows to run (resident always runs)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--budget-gib", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)

@@ -17,14 +17,18 @@ def _fmt(value) -> str:
 
 
 def rows(folder: Path):
-    sbs = _load(folder, "side_by_side_h200.json").get("rows", {})
+    sbs = {f"{prefix}{name}": row for file, prefix in (("side_by_side_h200.json", ""),
+                                                       ("side_by_side_peak_h200.json", "peak-run "))
+           for name, row in _load(folder, file).get("rows", {}).items()}
     for name, row in sbs.items():
         yield f"stack {name}", {k: row.get(k) for k in ("step_s", "step_over_bound", "step_over_resident", "peak_gib",
                                                        "h2d_gb_per_step", "stalls")} if "error" not in row \
             else {"error": row["error"][-300:]}
     off = _load(folder, "offload_h200.json")
-    for case in ("qwen20b", "optim", "fp8_loss", "determinism"):
-        for name, row in (off.get(case) or {}).items():
+    second = _load(folder, "offload_fp8_16gb_h200.json").get("qwen20b") or {}
+    cases = [(case, off.get(case)) for case in ("qwen20b", "optim", "fp8_loss", "determinism")]
+    for case, res in [*cases, ("qwen20b peak-run", second)]:
+        for name, row in (res or {}).items():
             if isinstance(row, dict):
                 keep = ("step_s", "step_over_resident", "step_over_max_gpu_or_cpu_adamw", "gpu_peak_torch_gb",
                         "gpu_peak_nvml_gb", "host_peak_over_dit", "budget_units", "h2d_gb_per_step",

@@ -4,8 +4,8 @@ Each block's ``forward`` is wrapped (an instance attribute, so ``remove`` restor
 in non-reentrant ``torch.utils.checkpoint``.  The module's own ``__call__`` and hooks stay outside
 the checkpoint, so the offload engine sees one forward per block; in backward its gradient hook
 loads the block *before* the recompute, and the recompute and the backward share that one copy.
-``offload_activations`` also keeps the checkpointed inputs in host memory (pinned when the
-activations live on CUDA) until backward needs them.
+``offload_activations`` also keeps the checkpointed inputs of CUDA blocks in pinned host memory
+until backward needs them, copied on side streams (``activation_offload.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..offload.units import find_block_containers
+from .activation_offload import ActivationOffloader
 
 _MARK = "_splitflow_checkpointed"
 
@@ -36,8 +37,9 @@ def apply_gradient_checkpointing(model: nn.Module, block_container_names=None,
     blocks = _blocks(model, block_container_names)
     if any(_MARK in b.__dict__ for b in blocks):
         raise RuntimeError("gradient checkpointing is already applied to these blocks")
+    offloader = ActivationOffloader() if offload_activations else None  # one for all: it links the blocks
     for block in blocks:
-        block.forward = _checkpointed(block.forward, offload_activations)
+        block.forward = _checkpointed(block.forward, offloader)
         block.__dict__[_MARK] = True
     return len(blocks)
 
@@ -52,19 +54,11 @@ def remove_gradient_checkpointing(model: nn.Module, block_container_names=None) 
     return n
 
 
-def _checkpointed(forward, offload_activations: bool):
+def _checkpointed(forward, offloader: ActivationOffloader | None):
     @functools.wraps(forward)
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        with _activation_context(offload_activations, args, kwargs):
+        with offloader.hooks() if offloader is not None else contextlib.nullcontext():
             return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     return run
-
-
-def _activation_context(offload: bool, args, kwargs):
-    if not offload:
-        return contextlib.nullcontext()
-    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-    pin = any(t.is_cuda for t in tensors)  # pinning is a CUDA call: only when activations are on CUDA
-    return torch.autograd.graph.save_on_cpu(pin_memory=pin)

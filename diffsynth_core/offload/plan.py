@@ -15,6 +15,11 @@ GIB = 2**30
 MIB = 2**20
 
 
+def stage_count(device: torch.device) -> int:
+    """Staging buffers for widened units: two on CUDA (copy and widening overlap), one elsewhere."""
+    return 2 if device.type == "cuda" else 1
+
+
 @dataclass
 class Plan:
     device: torch.device
@@ -40,7 +45,7 @@ class Plan:
 
     def fixed_bytes(self, n_slots: int) -> int:
         """Device bytes the engine places itself: everything outside the units (trainable weights
-        in ``trainable_dtype``), the streaming slots and the widening stage."""
+        in ``trainable_dtype``), the streaming slots and the widening stages."""
         resident = 0
         for p, _ in self.resident_params:
             size = p.element_size() if not (p.requires_grad and self.trainable_dtype) else \
@@ -49,7 +54,7 @@ class Plan:
         buffers = {id(m._buffers[n]): m._buffers[n] for m, n, _ in self.buffers}
         resident += sum(t.numel() * t.element_size() for t in buffers.values())
         slots = n_slots * max((u.dev_bytes for u in self.units), default=0)
-        stage = max((u.host_bytes for u in self.units if u.casts), default=0)
+        stage = max((u.host_bytes for u in self.units if u.casts), default=0) * stage_count(self.device)
         return resident + slots + stage
 
     # --- host copies ---------------------------------------------------------------------------

@@ -10,8 +10,10 @@ weights (``weight.t()`` inside ``F.linear``) that keep pointing into the slot af
 evicted; since the unit comes back to the same slot, at the same offsets, before its backward runs,
 those views read the right bytes again.  On CUDA the copy runs on a private
 stream that first waits for the slot's ``free`` event (the compute that last read the slot), and the
-compute stream waits for the unit's ``ready`` event before using it.  On a CPU target the same code
-runs with synchronous copies, which is what the CPU tests exercise.
+compute stream waits for the unit's ``ready`` event before using it.  A unit stored in another
+dtype (fp8) is copied into one of two staging buffers and widened into its slot on a third stream,
+so the copy engine never waits for the widening (which shares the SMs with compute).  On a CPU
+target the same code runs with synchronous copies, which is what the CPU tests exercise.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .arena import typed_view
-from .plan import master_view, scale_view
+from .plan import master_view, scale_view, stage_count
 from .quant import dequantize_rows
 from .units import Unit
 
@@ -32,6 +34,7 @@ class Slot:
     buf: torch.Tensor  # uint8, compute layout
     occupant: Unit | None = None
     free_event: object | None = None  # torch.cuda.Event recorded when the occupant was evicted
+    landed: object | None = None  # when the last copy into it landed (it may never have been used)
     views: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
 
@@ -48,9 +51,15 @@ class Streamer:
         self.masters = {u.index: [master_view(arena.buffer, u, r) for r in u.tensors] for u in units}
         size = max((u.dev_bytes for u in units), default=0)
         stage = max((u.host_bytes for u in units if u.casts), default=0)
-        # One staging buffer is enough: the copy into it and the widening out of it run in order on
-        # the copy stream, so the next copy cannot overwrite it before the last widening read it.
-        self.stage = torch.empty(stage, dtype=torch.uint8, device=device) if stage else None
+        # Units stored in another dtype (fp8) land in a staging buffer and are widened into their
+        # slot.  On CUDA the widening runs on a stream of its own, so the copy engine goes on with
+        # the next unit (into the other staging buffer) while SMs busy with compute delay the
+        # widening; the widening is what waits for the slot to be free, not the copy.
+        self.stages = [torch.empty(stage, dtype=torch.uint8, device=device)
+                       for _ in range(stage_count(device) if stage else 0)]
+        self.stage_free: list[object | None] = [None] * len(self.stages)  # widening done reading it
+        self.next_stage = 0
+        self.widen_stream = torch.cuda.Stream(device) if self.cuda and self.stages else None
         self.slots = [Slot(i, torch.empty(size, dtype=torch.uint8, device=device))
                       for i in range(n_slots if units else 0)]
         self.home = {u.index: i % max(len(self.slots), 1) for i, u in enumerate(units)}
@@ -83,14 +92,10 @@ class Streamer:
         views = self._views(slot, unit)
         if on_bind is not None:
             on_bind(unit)
-        if self.cuda:
-            with torch.cuda.stream(self.copy_stream):
-                if slot.free_event is not None:
-                    self.copy_stream.wait_event(slot.free_event)
-                self._copy(unit, slot.buf, views)
-                self.ready[unit.index] = self.copy_stream.record_event()
-        else:
-            self._copy(unit, slot.buf, views)
+        # Copy and widening run on different streams: the next write into the slot waits for both
+        # the compute that read it and the last write, which compute may never have waited for.
+        after = [e for e in (slot.free_event, slot.landed) if e is not None]
+        self.ready[unit.index] = slot.landed = self._copy(unit, slot.buf, views, after)
         for rec, view in zip(unit.tensors, views):
             rec.param.data = view
         slot.occupant = unit
@@ -98,16 +103,47 @@ class Streamer:
         self.copies += 1
         self.bytes += unit.host_bytes
 
-    def _copy(self, unit: Unit, buf: torch.Tensor, views: list[torch.Tensor]) -> None:
+    def _copy(self, unit: Unit, buf: torch.Tensor, views: list[torch.Tensor], after=()):
+        """Land ``unit`` in ``buf`` once the events ``after`` (what last used it) have passed;
+        returns the event that says it has landed (CUDA; ``None`` on a CPU target, where copies
+        are synchronous)."""
         src = self.arena.region(unit.host_offset, unit.host_bytes)
-        if not unit.casts:  # identical layouts: one copy lands every tensor in place
-            buf.narrow(0, 0, unit.host_bytes).copy_(src, non_blocking=True)
-            return
-        self.stage.narrow(0, 0, unit.host_bytes).copy_(src, non_blocking=True)
-        for rec, view in zip(unit.tensors, views):  # widen e.g. fp8 storage to bf16 compute, on the device
-            stored = typed_view(self.stage, rec.host_offset, rec.store_dtype, rec.shape)
+        if not self.cuda:
+            if unit.casts:
+                stage = self.stages[0].narrow(0, 0, unit.host_bytes)
+                stage.copy_(src)
+                self._widen(unit, stage, views)
+            else:
+                buf.narrow(0, 0, unit.host_bytes).copy_(src)
+            return None
+        with torch.cuda.stream(self.copy_stream):
+            if not unit.casts:  # identical layouts: one copy lands every tensor in place
+                for event in after:
+                    self.copy_stream.wait_event(event)
+                buf.narrow(0, 0, unit.host_bytes).copy_(src, non_blocking=True)
+                return self.copy_stream.record_event()
+            i = self.next_stage
+            self.next_stage = (i + 1) % len(self.stages)
+            if self.stage_free[i] is not None:  # its last widening has read it
+                self.copy_stream.wait_event(self.stage_free[i])
+            stage = self.stages[i].narrow(0, 0, unit.host_bytes)
+            stage.copy_(src, non_blocking=True)
+            copied = self.copy_stream.record_event()
+        with torch.cuda.stream(self.widen_stream):
+            self.widen_stream.wait_event(copied)
+            for event in after:
+                self.widen_stream.wait_event(event)
+            self._widen(unit, stage, views)
+            self.stage_free[i] = done = self.widen_stream.record_event()
+        return done
+
+    @staticmethod
+    def _widen(unit: Unit, stage: torch.Tensor, views: list[torch.Tensor]) -> None:
+        """Widen e.g. fp8 storage in ``stage`` to the compute dtype in ``views``, on the device."""
+        for rec, view in zip(unit.tensors, views):
+            stored = typed_view(stage, rec.host_offset, rec.store_dtype, rec.shape)
             if rec.quantized:
-                scales = typed_view(self.stage, rec.scale_offset, torch.float32, torch.Size([rec.shape[0]]))
+                scales = typed_view(stage, rec.scale_offset, torch.float32, torch.Size([rec.shape[0]]))
                 dequantize_rows(stored, scales, rec.compute_dtype, out=view)
             else:
                 view.copy_(stored)
@@ -115,18 +151,18 @@ class Streamer:
     def copy_to(self, unit: Unit, buf: torch.Tensor) -> None:
         """Copy ``unit`` into ``buf`` (a device buffer of its own, kept for good) and point it there."""
         views = [typed_view(buf, r.dev_offset, r.compute_dtype, r.shape) for r in unit.tensors]
-        if self.cuda:
-            with torch.cuda.stream(self.copy_stream):
-                self._copy(unit, buf, views)
-        else:
-            self._copy(unit, buf, views)
+        landed = self._copy(unit, buf, views)
+        if landed is not None:  # settle() orders compute after the copy stream; widening is on another
+            self.copy_stream.wait_event(landed)
         for rec, view in zip(unit.tensors, views):
             rec.param.data = view
 
     def settle(self) -> None:
-        """Compute issued from now on sees every copy issued so far."""
+        """Compute issued from now on sees every copy (and widening) issued so far."""
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+            if self.widen_stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(self.widen_stream)
 
     def wait_ready(self, unit: Unit) -> None:
         """Make the current (compute) stream wait until ``unit``'s copy has landed."""
@@ -147,8 +183,8 @@ class Streamer:
         if self.poison:  # debug: stale references to the slot now read NaN/garbage, loudly
             slot.buf.fill_(255)
         if self.cuda:
-            # A copy that landed but was never used needs no wait: the next copy into this slot
-            # runs on the same copy stream, after it.
+            # A copy that landed but was never used needs no wait here: the next write into this
+            # slot waits for it (``slot.landed``).
             self.ready.pop(unit.index, None)
             slot.free_event = torch.cuda.current_stream(self.device).record_event()
         slot.occupant = None
