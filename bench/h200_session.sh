@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The H200 runs behind bench/results/*_h200.json, from the repository root on a CUDA machine:
 #   bench/h200_session.sh benches MUSUBI_FILE   # side by side with musubi, Qwen-Image 20B, optimizer, fp8, determinism
+#   bench/h200_session.sh optim                 # the optimizer-offload toy and its GPU tests
 #   bench/h200_session.sh e2e                   # splitflow run, full-depth Qwen-Image folder
 #   bench/h200_session.sh peak MUSUBI_FILE       # issue-12 peaks: GPU tests, stack rows (+ offloaded
 #                                                # block inputs), Qwen-Image 20B fp8 under 16 GB
@@ -31,6 +32,12 @@ peak)
     timeout "$(left)" python3 -m bench.offload --cases qwen20b --qwen-rows "${QWEN_ROWS:-fp8_budget_16gb}" \
       --out "$OUT/offload_h200.json" > /dev/null
   fi
+  ;;
+optim)  # issue 12's optimizer-offload toy and the optimizer-offload GPU tests
+  lscpu > "$OUT/cpu.txt" 2>&1; python3 -c "import torch; print('intra-op threads', torch.get_num_threads())"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/core/offload/test_offload_gpu.py \
+    -k "bound_optimizer or fp32_toy" > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
+  timeout "$(left)" python3 -m bench.offload --cases optim --out "$OUT/offload_optim_h200.json"
   ;;
 e2e)
   timeout "$(left)" python3 -m bench.e2e_gpu --workdir /tmp/splitflow-e2e --out "$OUT/e2e_h200.json" \

@@ -18,7 +18,9 @@ allocator, pinned memory or RNG state, and ratios are taken between rows of one 
   s/step at 1024² with and without it (its cost).
 * ``optim``: full fine-tuning of a 10 x Linear(4096) fp32 toy (batch 512): all on the GPU, optimizer
   offload stepping after backward, and the optimizer bound to the engine (``bind_optimizer``:
-  steps overlapped with the next forward, and with backward too); the CPU AdamW step alone.
+  steps overlapped with the next forward, and with backward too); the CPU AdamW step alone (by
+  intra-op threads, and while host<->device copies run).  20 steps after 3 of warm-up, every queued
+  host step and GPU kernel drained at the end of the timed period.
 
 The LoRA stack side by side with musubi-tuner is ``bench/side_by_side.py``.
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -79,10 +82,10 @@ DEVICE: list[str] = []  # "--device X" for every worker (set by main)
 QUICK: list[str] = []  # "--quick" for every worker (set by main)
 
 
-def _spawn(args: list[str], timeout: int) -> dict:
+def _spawn(args: list[str], timeout: int, env: dict | None = None) -> dict:
     try:
         proc = subprocess.run([sys.executable, "-m", "bench.offload", *args, *DEVICE, *QUICK], cwd=ROOT, capture_output=True,
-                              text=True, timeout=timeout)
+                              text=True, timeout=timeout, env={**os.environ, **env} if env else None)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout} s"}
     if proc.returncode != 0:
@@ -216,6 +219,41 @@ def case_determinism(a) -> dict:
 
 
 # --- optimizer offload toy -------------------------------------------------------------------------
+OPTIM_STEPS, OPTIM_WARMUP = 23, 3
+
+
+def _adamw_alone(model: nn.Module, device: torch.device, threads: list[int]) -> dict:
+    """The fused CPU AdamW step over the whole toy, by intra-op thread count, also while host<->device
+    copies of the toy's size run back to back (the memory traffic the offloaded step adds)."""
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    opt.step()
+    default = torch.get_num_threads()
+
+    def timed(n: int) -> float:
+        torch.set_num_threads(n)
+        opt.step()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            opt.step()
+        torch.set_num_threads(default)
+        return (time.perf_counter() - t0) / 5
+    out = {"threads": default, "step_s": timed(default), "by_threads": {n: timed(n) for n in threads}}
+    if device.type == "cuda":  # ~0.7 GB each way per copy, 16 of them: longer than the timed steps
+        host = torch.empty(sum(p.numel() for p in model.parameters()), pin_memory=True)
+        dev = torch.empty_like(host, device=device)
+        stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            for _ in range(16):
+                dev.copy_(host, non_blocking=True)
+                host.copy_(dev, non_blocking=True)
+        out["under_copies_by_threads"] = {n: timed(n) for n in [default, *threads]}
+        out["copies_still_running"] = not stream.query()
+        stream.synchronize()
+    return out
+
+
 def optim_worker(a) -> dict:
     from diffsynth_core.offload import OffloadTrainingManager
 
@@ -226,51 +264,76 @@ def optim_worker(a) -> dict:
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(10)])
     x = torch.randn(batch, width, device=cuda)
     if a.mode == "cpu_adamw_alone":
-        for p in model.parameters():
-            p.grad = torch.randn_like(p)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-        opt.step()
-        t0 = time.perf_counter()
-        for _ in range(5):
-            opt.step()
-        return {"step_s": (time.perf_counter() - t0) / 5}
+        n = torch.get_num_threads()
+        return _adamw_alone(model, cuda, sorted({max(1, n - k) for k in (1, 2, 4)} | {max(1, n // 2)}, reverse=True))
     mgr = None
     if a.mode == "all_gpu":
         model.to(cuda)
     else:
         mgr = OffloadTrainingManager(model, cuda, enable_optimizer_cpu_offload=True, prefetch=a.prefetch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    if a.mode in ("bound", "bound_overlap_backward"):
-        mgr.bind_optimizer(opt, overlap_backward=a.mode == "bound_overlap_backward")
+    if a.mode.startswith("bound"):
+        threads = torch.get_num_threads() if a.threads == -1 else a.threads or None  # -1: every core's
+        mgr.bind_optimizer(opt, overlap_backward=a.mode.startswith("bound_overlap_backward"), threads=threads)
     start = None
-    for i in range(13):  # the period of steps 4..13, every host step and GPU kernel finished at the end
-        if i == 3:
+    for i in range(OPTIM_STEPS):  # the period of the steps after warm-up, every host step and kernel drained at the end
+        if i == OPTIM_WARMUP:
             if on_gpu:
                 torch.cuda.synchronize()
-            start = time.perf_counter()
-        model(x).pow(2).mean().backward()
+            if mgr is not None and mgr.stepper is not None:
+                mgr.stepper.join()
+                before = dict(mgr.stepper.stats)
+            start, phases = time.perf_counter(), {"forward": 0.0, "backward": 0.0, "optimizer_step": 0.0}
+        t0 = time.perf_counter()
+        loss = model(x).pow(2).mean()
+        t1 = time.perf_counter()
+        loss.backward()
         if mgr is not None:
             mgr.after_backward()
+        t2 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if start is not None:  # the main thread's time per phase (it waits for the GPU only at the end)
+            for key, dt in zip(phases, (t1 - t0, t2 - t1, time.perf_counter() - t2)):
+                phases[key] += dt
     if mgr is not None and mgr.stepper is not None:
         mgr.stepper.join()
     if on_gpu:
         torch.cuda.synchronize()
-    period = (time.perf_counter() - start) / 10
+    steps = OPTIM_STEPS - OPTIM_WARMUP
+    out = {"step_s": (time.perf_counter() - start) / steps,
+           "gpu_peak_gb": torch.cuda.max_memory_allocated() / GB if on_gpu else None,
+           **{f"main_{k}_s_per_step": v / steps for k, v in phases.items()}}
+    if mgr is not None and mgr.stepper is not None:  # where the step's time went, per step
+        st = mgr.stepper.stats
+        out.update(host_threads=mgr.stepper.threads, host_adamw_s_per_step=(st["step_s"] - before["step_s"]) / steps,
+                   forward_waited_s_per_step=(st["waited_s"] - before["waited_s"]) / steps)
     if mgr is not None:
+        out["stalls"] = mgr.report()["stalls"]
         mgr.detach()
-    return {"step_s": period,
-            "gpu_peak_gb": torch.cuda.max_memory_allocated() / GB if on_gpu else None}
+    return out
+
+
+OPTIM_ROWS = {  # row -> (mode, extra worker args, extra environment)
+    "all_gpu": ("all_gpu", [], {}),
+    "cpu_adamw_alone": ("cpu_adamw_alone", [], {}),
+    "unbound": ("unbound", [], {}),
+    "bound": ("bound", [], {}),
+    "bound_overlap_backward": ("bound_overlap_backward", [], {}),
+    # diagnostics: the worker with every core's thread, and OpenMP threads that sleep instead of spinning
+    "bound_overlap_backward_all_threads": ("bound_overlap_backward", ["--threads", "-1"], {}),
+    "bound_overlap_backward_passive_omp": ("bound_overlap_backward", [], {"OMP_WAIT_POLICY": "PASSIVE"}),
+}
 
 
 def case_optim(a) -> dict:
-    res = {m: _spawn(["--worker", "optim", "--mode", m], 200)
-           for m in ("all_gpu", "cpu_adamw_alone", "unbound", "bound", "bound_overlap_backward")}
+    res = {row: _spawn(["--worker", "optim", "--mode", mode, *extra], 200, env)
+           for row, (mode, extra, env) in OPTIM_ROWS.items()}
     if all("step_s" in r for r in res.values()):
         floor = max(res["all_gpu"]["step_s"], res["cpu_adamw_alone"]["step_s"])
-        for m in ("unbound", "bound", "bound_overlap_backward"):
-            res[m]["step_over_max_gpu_or_cpu_adamw"] = res[m]["step_s"] / floor
+        for row in OPTIM_ROWS:
+            if row not in ("all_gpu", "cpu_adamw_alone"):
+                res[row]["step_over_max_gpu_or_cpu_adamw"] = res[row]["step_s"] / floor
     return res
 
 
@@ -281,8 +344,9 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     for flag, kind in (("--layers", int), ("--height", int), ("--steps", int), ("--warmup", int),
-                       ("--save-steps", int), ("--prefetch", int), ("--text-len", int)):
-        ap.add_argument(flag, type=kind, default={"--text-len": 512, "--prefetch": 1, "--save-steps": 0}.get(flag))
+                       ("--save-steps", int), ("--prefetch", int), ("--text-len", int), ("--threads", int)):
+        ap.add_argument(flag, type=kind, default={"--text-len": 512, "--prefetch": 1, "--save-steps": 0,
+                                                  "--threads": 0}.get(flag))
     ap.add_argument("--budget-gib", type=float, default=0.0)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--storage", default="")

@@ -25,6 +25,9 @@ def rows(folder: Path):
                                                        "h2d_gb_per_step", "stalls")} if "error" not in row \
             else {"error": row["error"][-300:]}
     off = _load(folder, "offload_h200.json")
+    optim = _load(folder, "offload_optim_h200.json").get("optim")  # a later run of that case alone
+    if optim:
+        off["optim"] = optim
     second = _load(folder, "offload_fp8_16gb_h200.json").get("qwen20b") or {}
     cases = [(case, off.get(case)) for case in ("qwen20b", "optim", "fp8_loss", "determinism")]
     for case, res in [*cases, ("qwen20b peak-run", second)]:
@@ -32,7 +35,7 @@ def rows(folder: Path):
             if isinstance(row, dict):
                 keep = ("step_s", "step_over_resident", "step_over_max_gpu_or_cpu_adamw", "gpu_peak_torch_gb",
                         "gpu_peak_nvml_gb", "host_peak_over_dit", "budget_units", "h2d_gb_per_step",
-                        "planned_h2d_gb_per_step", "slowdown", "error")
+                        "planned_h2d_gb_per_step", "slowdown", "host_adamw_s_per_step", "error")
                 yield f"{case} {name}", {k: (row[k][-300:] if k == "error" else row[k]) for k in keep if k in row}
             else:
                 yield f"{case} {name}", {"value": row}

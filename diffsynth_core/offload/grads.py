@@ -25,6 +25,14 @@ from .arena import HostArena, typed_view
 from .units import align_up
 
 
+def blocking_event(stream) -> torch.cuda.Event:
+    """An event recorded on ``stream`` whose ``synchronize()`` sleeps instead of spinning: a thread
+    spinning on a core stalls the host optimizer's OpenMP threads (see ``host_optimizer``)."""
+    event = torch.cuda.Event(blocking=True)
+    event.record(stream)
+    return event
+
+
 class HostGradSink:
     def __init__(self, params: list[nn.Parameter], device: torch.device, pin: bool):
         self.device = device
@@ -90,7 +98,7 @@ class HostGradSink:
             self.stream.wait_event(produced)
             dst.copy_(g, non_blocking=True)
             g.record_stream(self.stream)  # keep g's memory alive until the copy ran
-            return self.stream.record_event()
+            return blocking_event(self.stream)
 
     def _copy_and_step(self, p: nn.Parameter, g: torch.Tensor) -> None:
         unit = self.unit_of[id(p)]

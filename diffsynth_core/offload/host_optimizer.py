@@ -10,6 +10,12 @@ resume see one optimizer).  A worker thread runs the sub-steps, earliest unit in
 first, so the next forward, which waits for each unit's step before copying it to the device,
 rarely waits long.  Element-wise optimizers (Adam, AdamW, SGD, ...) update each tensor from its
 own state, so stepping unit by unit gives bitwise the same result as one ``step()`` over all.
+
+The worker's CPU kernels (fused AdamW) split each tensor over intra-op threads in equal static
+shares, so one thread that loses its core to another busy thread (the main thread launching GPU
+work, autograd's device thread, CUDA's own) delays the whole kernel.  The worker therefore runs
+with ``threads`` intra-op threads (default: the process's count minus two), leaving cores to the
+threads that feed the GPU.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+import time
 
 import torch
 from torch import nn
@@ -60,11 +67,18 @@ class HostStepper:
     events)`` queues the unit's step (``grads``: ``id(real parameter) -> host gradient``; missing
     ones are skipped like ``grad=None``; the worker first waits for ``events``, the device->host
     copies that produce them); ``wait(unit)`` blocks until that unit's last queued step ran;
-    ``join()`` waits for all.
+    ``join()`` waits for all.  ``threads``: the worker's intra-op threads (``None``: all but two of
+    the process's).  ``stats``: jobs run, seconds stepping, seconds the caller blocked in ``wait``.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, units: dict[int, list[tuple[nn.Parameter, torch.Tensor]]]):
+    def __init__(self, optimizer: torch.optim.Optimizer, units: dict[int, list[tuple[nn.Parameter, torch.Tensor]]],
+                 threads: int | None = None):
         self.optimizer = optimizer
+        own = torch.get_num_threads()  # read on the calling thread: fixes its count before the worker sets its
+        self.threads = max(1, own - 2) if threads is None else threads
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self.stats = {"jobs": 0, "step_s": 0.0, "waited_s": 0.0}
         group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self.subs: dict[int, tuple[torch.optim.Optimizer, list[nn.Parameter], list[int]]] = {}
         self.reals: dict[int, list[nn.Parameter]] = {}
@@ -106,8 +120,10 @@ class HostStepper:
 
     def wait(self, unit: int) -> None:
         job = self._jobs.get(unit)
-        if job is not None:
+        if job is not None and not job.done.is_set():
+            t0 = time.perf_counter()
             job.done.wait()
+            self.stats["waited_s"] += time.perf_counter() - t0
         self._raise()
 
     def is_done(self, unit: int) -> bool:
@@ -131,6 +147,7 @@ class HostStepper:
             raise RuntimeError("the host optimizer step failed") from self._error
 
     def _run(self) -> None:
+        torch.set_num_threads(self.threads)  # this thread's OpenMP team only (the caller's is set)
         while True:
             with self._cv:
                 while not self._heap and not self._closed:
@@ -147,13 +164,16 @@ class HostStepper:
                 job.done.set()
 
     def _step(self, job: _Job) -> None:
-        for event in job.events:  # the gradients' device->host copies
+        for event in job.events:  # the gradients' device->host copies (blocking events: no spinning)
             event.synchronize()
         sub, stand_ins, _ = self.subs[job.unit]
         for stand_in, grad in zip(stand_ins, job.grads):
             stand_in.grad = grad
+        t0 = time.perf_counter()
         try:
             sub.step()
         finally:
             for stand_in in stand_ins:
                 stand_in.grad = None
+            self.stats["jobs"] += 1
+            self.stats["step_s"] += time.perf_counter() - t0

@@ -14,7 +14,7 @@ from ..errors import InputError
 from .arena import HostArena
 from .shared_arena import SharedHostArena, shared_host_arena
 from .budget import GIB, BudgetTracker, auto_budget, plan_residency, static_residency
-from .grads import GradAverager, HostGradSink
+from .grads import GradAverager, HostGradSink, blocking_event
 from .host_optimizer import HostStepper
 from .plan import MIB, Plan, build_plan
 from .schedule import SuccessorSchedule
@@ -272,7 +272,8 @@ class OffloadTrainingManager:
                               stacklevel=3)
 
     # --- the optimizer -----------------------------------------------------------------------------
-    def bind_optimizer(self, optimizer: torch.optim.Optimizer, overlap_backward: bool = False) -> None:
+    def bind_optimizer(self, optimizer: torch.optim.Optimizer, overlap_backward: bool = False,
+                       threads: int | None = None) -> None:
         """Step the host (optimizer-offloaded) weights unit by unit on a worker thread.
 
         ``optimizer.step()`` then queues each unit's step and returns: the next forward waits only
@@ -280,14 +281,15 @@ class OffloadTrainingManager:
         soon as its gradients are on the host, during backward; that requires every backward to be
         followed by ``after_backward(); optimizer.step()`` with the gradients untouched (no clipping,
         no accumulation, no data parallel), and the host gradients never appear in ``.grad``.
-        ``optimizer.state_dict()`` waits for the queued steps."""
+        ``optimizer.state_dict()`` waits for the queued steps.  ``threads``: the worker's intra-op
+        threads (``None``: all of the process's but two, see ``host_optimizer``)."""
         if self.grad_sink is None:
             raise ValueError("bind_optimizer needs enable_optimizer_cpu_offload=True and trainable weights in the units")
         if overlap_backward and self.averager is not None:
             raise ValueError("overlap_backward cannot average gradients over ranks first; bind without it")
         units = {u.index: [(r.param, m) for r, m in zip(u.tensors, self.streamer.masters[u.index]) if r.trainable]
                  for u in self.plan.units if u.index in self._trainable_units}
-        self.stepper = HostStepper(optimizer, units)
+        self.stepper = HostStepper(optimizer, units, threads)
         if overlap_backward:
             self.grad_sink.start_steps(self.stepper, {id(p): u for u, ps in self.stepper.reals.items() for p in ps},
                                        lambda unit: self._forward_uses.get(unit, 0) > 1)
@@ -349,8 +351,8 @@ class OffloadTrainingManager:
 
     def _release(self) -> None:
         self.streamer.evict_all(keep=lambda u: u.index not in self._trainable_units)
-        if self.grad_sink is not None and self.streamer.cuda:
-            self.streamer.copy_stream.synchronize()  # the optimizer is about to rewrite host weights
+        if self.grad_sink is not None and self.streamer.cuda:  # the optimizer is about to rewrite host weights
+            blocking_event(self.streamer.copy_stream).synchronize()
         self.sched.end_step()
         if self._order:  # homes follow the execution order, so a window never shares a slot
             rest = [u.index for u in self.plan.streamed if u.index not in self._order_seen]
@@ -381,6 +383,7 @@ class OffloadTrainingManager:
                 "planned_peak_bytes": budget.planned_peak if budget else None,
                 "peak_bytes": budget.peak if budget else None,
                 "gpu_peak_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
+                "host_optimizer": dict(self.stepper.stats, threads=self.stepper.threads) if self.stepper else None,
                 **self.stats}
 
     def _check_attached(self) -> None:
