@@ -273,7 +273,7 @@ def optim_worker(a) -> dict:
         mgr = OffloadTrainingManager(model, cuda, enable_optimizer_cpu_offload=True, prefetch=a.prefetch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     if a.mode.startswith("bound"):
-        threads = torch.get_num_threads() if a.threads == -1 else a.threads or None  # -1: every core's
+        threads = None if a.threads_less is None else max(1, torch.get_num_threads() - a.threads_less)
         mgr.bind_optimizer(opt, overlap_backward=a.mode.startswith("bound_overlap_backward"), threads=threads)
     start = None
     for i in range(OPTIM_STEPS):  # the period of the steps after warm-up, every host step and kernel drained at the end
@@ -320,8 +320,10 @@ OPTIM_ROWS = {  # row -> (mode, extra worker args, extra environment)
     "unbound": ("unbound", [], {}),
     "bound": ("bound", [], {}),
     "bound_overlap_backward": ("bound_overlap_backward", [], {}),
-    # diagnostics: the worker with every core's thread, and OpenMP threads that sleep instead of spinning
-    "bound_overlap_backward_all_threads": ("bound_overlap_backward", ["--threads", "-1"], {}),
+    # diagnostics: the worker's intra-op threads (the process's count less 0 or 4; the default is less 2),
+    # and OpenMP threads that sleep instead of spinning between parallel regions
+    "bound_overlap_backward_all_threads": ("bound_overlap_backward", ["--threads-less", "0"], {}),
+    "bound_overlap_backward_threads_less_4": ("bound_overlap_backward", ["--threads-less", "4"], {}),
     "bound_overlap_backward_passive_omp": ("bound_overlap_backward", [], {"OMP_WAIT_POLICY": "PASSIVE"}),
 }
 
@@ -344,9 +346,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     for flag, kind in (("--layers", int), ("--height", int), ("--steps", int), ("--warmup", int),
-                       ("--save-steps", int), ("--prefetch", int), ("--text-len", int), ("--threads", int)):
-        ap.add_argument(flag, type=kind, default={"--text-len": 512, "--prefetch": 1, "--save-steps": 0,
-                                                  "--threads": 0}.get(flag))
+                       ("--save-steps", int), ("--prefetch", int), ("--text-len", int), ("--threads-less", int)):
+        ap.add_argument(flag, type=kind, default={"--text-len": 512, "--prefetch": 1, "--save-steps": 0}.get(flag))
     ap.add_argument("--budget-gib", type=float, default=0.0)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--storage", default="")
