@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -163,3 +165,35 @@ def test_optimizer_step_before_after_backward_raises():
     mgr.after_backward()
     opt.step()  # in order: fine
     mgr.detach()
+
+
+class _ThreadCountingAdamW(torch.optim.AdamW):
+    """AdamW that records, per step, which thread ran it and with how many intra-op threads."""
+
+    def step(self, closure=None):
+        self.seen.append((threading.current_thread().name, torch.get_num_threads()))
+        return super().step(closure)
+
+
+def test_host_steps_run_with_the_workers_own_thread_count():
+    model = _model()
+    mgr = OffloadTrainingManager(model, "cpu", enable_optimizer_cpu_offload=True)
+    opt = _ThreadCountingAdamW(model.parameters(), lr=1e-2, fused=True)
+    opt.seen = []
+    main_threads = torch.get_num_threads()
+    mgr.bind_optimizer(opt, overlap_backward=True, threads=1)
+    for step in range(2):
+        model(_data(step, 0)).pow(2).mean().backward()
+        mgr.after_backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    opt.state_dict()  # waits for the queued host steps
+    worker = {n for name, n in opt.seen if name == "splitflow-host-optimizer"}
+    assert worker == {1} and torch.get_num_threads() == main_threads  # the caller's count is untouched
+    stats = mgr.report()["host_optimizer"]
+    assert stats["threads"] == 1 and stats["jobs"] == 2 * len(mgr.stepper.subs) and stats["step_s"] > 0
+    mgr.detach()
+    other = OffloadTrainingManager(_model(), "cpu", enable_optimizer_cpu_offload=True)
+    with pytest.raises(ValueError, match="threads"):
+        other.bind_optimizer(opt, threads=0)
+    other.detach()
