@@ -35,8 +35,8 @@ peak)
   ;;
 optim)  # issue 12's optimizer-offload toy and the optimizer-offload GPU tests
   lscpu > "$OUT/cpu.txt" 2>&1; python3 -c "import torch; print('intra-op threads', torch.get_num_threads())"
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/core/offload/test_offload_gpu.py \
-    -k "bound_optimizer or fp32_toy" > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/core/offload/test_offload_gpu.py \
+    -k "bound_optimizer or fp32_toy or budget" > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
   timeout "$(left)" python3 -m bench.offload --cases optim --out "$OUT/offload_optim_h200.json"
   ;;
 e2e)

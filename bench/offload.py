@@ -251,7 +251,75 @@ def _adamw_alone(model: nn.Module, device: torch.device, threads: list[int]) -> 
         out["under_copies_by_threads"] = {n: timed(n) for n in [default, *threads]}
         out["copies_still_running"] = not stream.query()
         stream.synchronize()
+        del host, dev
+    out["by_memory"] = {kind: _adamw_in_memory(model, kind) for kind in MEMORY_KINDS
+                        if device.type == "cuda" or "pinned" not in kind and kind != "cuda_host_alloc"}
+    out["per_unit_step_s"] = _adamw_in_memory(model, "regular", per_unit=True)
+    out["foreach_step_s"] = _adamw_in_memory(model, "regular", foreach=True)
+    out["thp"] = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
     return out
+
+
+# Where the weights and gradients AdamW streams live: torch.empty memory, the offload arena with
+# plain or huge pages, page-locked (cudaHostRegister) or not, cudaHostAlloc'd memory; "huge_all"
+# also puts AdamW's state on huge pages.
+MEMORY_KINDS = ("regular", "plain_pinned", "huge", "huge_pinned", "cuda_host_alloc", "huge_all")
+
+
+def _adamw_in_memory(model: nn.Module, kind: str, per_unit: bool = False, foreach: bool = False) -> float:
+    from diffsynth_core.offload import arena
+
+    params = list(model.parameters())
+    numel = sum(p.numel() for p in params)
+
+    def buffer(n: int, huge: bool):
+        arena.HUGE_PAGES = huge
+        host = arena.HostArena(n * 4)
+        arena.HUGE_PAGES = True
+        return host
+    if kind == "regular":
+        pw, pg = [p.detach().clone() for p in params], [torch.randn_like(p) for p in params]
+        arenas = []
+    else:
+        arenas = [buffer(numel, kind.startswith("huge")) for _ in range(2)]
+        if kind == "cuda_host_alloc":
+            for a in arenas:
+                a.buffer = torch.empty(numel * 4, dtype=torch.uint8, pin_memory=True)
+        views = [[], []]
+        for a, out in zip(arenas, views):
+            flat, off = a.buffer.view(torch.float32), 0
+            for p in params:
+                out.append(flat[off:off + p.numel()].view_as(p))
+                off += p.numel()
+            if kind.endswith("pinned"):
+                a.pin()
+        pw, pg = views
+        for w, g, p in zip(pw, pg, params):
+            w.copy_(p.detach())
+            g.normal_()
+    stand_ins = [nn.Parameter(w) for w in pw]
+    for s, g in zip(stand_ins, pg):
+        s.grad = g
+    groups = [stand_ins[i:i + 2] for i in range(0, len(stand_ins), 2)] if per_unit else [stand_ins]
+    opts = [torch.optim.AdamW(g, lr=1e-5, **({"foreach": True} if foreach else {"fused": True})) for g in groups]
+    if kind == "huge_all":
+        for opt in opts:
+            for s in opt.param_groups[0]["params"]:
+                state = [buffer(s.numel(), True).buffer.view(torch.float32).view_as(s) for _ in range(2)]
+                for t in state:
+                    t.zero_()
+                opt.state[s] = {"step": torch.tensor(0.0), "exp_avg": state[0], "exp_avg_sq": state[1]}
+    for opt in opts:
+        opt.step()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        for opt in opts:
+            opt.step()
+    elapsed = (time.perf_counter() - t0) / 5
+    for a in arenas:
+        if a.pinned:
+            a.release()
+    return elapsed
 
 
 def optim_worker(a) -> dict:
@@ -266,6 +334,9 @@ def optim_worker(a) -> dict:
     if a.mode == "cpu_adamw_alone":
         n = torch.get_num_threads()
         return _adamw_alone(model, cuda, sorted({max(1, n - k) for k in (1, 2, 4)} | {max(1, n // 2)}, reverse=True))
+    if a.plain_pages:
+        from diffsynth_core.offload import arena
+        arena.HUGE_PAGES = False
     mgr = None
     if a.mode == "all_gpu":
         model.to(cuda)
@@ -275,7 +346,7 @@ def optim_worker(a) -> dict:
     if a.mode.startswith("bound"):
         threads = None if a.threads_less is None else max(1, torch.get_num_threads() - a.threads_less)
         mgr.bind_optimizer(opt, overlap_backward=a.mode.startswith("bound_overlap_backward"), threads=threads)
-    start = None
+    start = trace = None
     for i in range(OPTIM_STEPS):  # the period of the steps after warm-up, every host step and kernel drained at the end
         if i == OPTIM_WARMUP:
             if on_gpu:
@@ -284,6 +355,8 @@ def optim_worker(a) -> dict:
                 mgr.stepper.join()
                 before = dict(mgr.stepper.stats)
             start, phases = time.perf_counter(), {"forward": 0.0, "backward": 0.0, "optimizer_step": 0.0}
+        if i == OPTIM_STEPS - 2 and mgr is not None and mgr.stepper is not None:
+            trace = mgr.stepper.trace = []  # the last two steps, for the timeline
         t0 = time.perf_counter()
         loss = model(x).pow(2).mean()
         t1 = time.perf_counter()
@@ -296,6 +369,8 @@ def optim_worker(a) -> dict:
         if start is not None:  # the main thread's time per phase (it waits for the GPU only at the end)
             for key, dt in zip(phases, (t1 - t0, t2 - t1, time.perf_counter() - t2)):
                 phases[key] += dt
+            if trace is not None:
+                trace += [("main_forward", -1, t0, t1), ("main_backward", -1, t1, t2)]
     if mgr is not None and mgr.stepper is not None:
         mgr.stepper.join()
     if on_gpu:
@@ -308,6 +383,10 @@ def optim_worker(a) -> dict:
         st = mgr.stepper.stats
         out.update(host_threads=mgr.stepper.threads, host_adamw_s_per_step=(st["step_s"] - before["step_s"]) / steps,
                    forward_waited_s_per_step=(st["waited_s"] - before["waited_s"]) / steps)
+    if trace:  # milliseconds from the first mark
+        t_first = min(t[2] for t in trace)
+        out["timeline_ms"] = [[what, unit, round((t0 - t_first) * 1e3, 2), round((t1 - t_first) * 1e3, 2)]
+                              for what, unit, t0, t1 in sorted(trace, key=lambda t: t[2])]
     if mgr is not None:
         out["stalls"] = mgr.report()["stalls"]
         mgr.detach()
@@ -320,11 +399,8 @@ OPTIM_ROWS = {  # row -> (mode, extra worker args, extra environment)
     "unbound": ("unbound", [], {}),
     "bound": ("bound", [], {}),
     "bound_overlap_backward": ("bound_overlap_backward", [], {}),
-    # diagnostics: the worker's intra-op threads (the process's count less 0 or 4; the default is less 2),
-    # and OpenMP threads that sleep instead of spinning between parallel regions
-    "bound_overlap_backward_all_threads": ("bound_overlap_backward", ["--threads-less", "0"], {}),
-    "bound_overlap_backward_threads_less_4": ("bound_overlap_backward", ["--threads-less", "4"], {}),
-    "bound_overlap_backward_passive_omp": ("bound_overlap_backward", [], {"OMP_WAIT_POLICY": "PASSIVE"}),
+    # diagnostic: the arenas on 4 KiB pages (the worker's threads: --threads-less N, N=2 by default)
+    "bound_overlap_backward_plain_pages": ("bound_overlap_backward", ["--plain-pages"], {}),
 }
 
 
@@ -356,7 +432,7 @@ def main() -> None:
     ap.add_argument("--lora-file", default="")
     ap.add_argument("--qwen-rows", default="budget_24gb,fp8_budget_16gb",
                     help="qwen20b rows beside resident; also fp8_budget_16gb_act (block inputs offloaded)")
-    for flag in ("--offload", "--deterministic", "--keep-lora", "--act-offload"):
+    for flag in ("--offload", "--deterministic", "--keep-lora", "--act-offload", "--plain-pages"):
         ap.add_argument(flag, action="store_true")
     a = ap.parse_args()
     if a.worker == "qwen":

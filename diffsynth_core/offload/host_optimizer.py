@@ -79,6 +79,7 @@ class HostStepper:
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self.stats = {"jobs": 0, "step_s": 0.0, "waited_s": 0.0}
+        self.trace: list | None = None  # set to a list to record (what, unit, start, end) times
         group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self.subs: dict[int, tuple[torch.optim.Optimizer, list[nn.Parameter], list[int]]] = {}
         self.reals: dict[int, list[nn.Parameter]] = {}
@@ -123,7 +124,10 @@ class HostStepper:
         if job is not None and not job.done.is_set():
             t0 = time.perf_counter()
             job.done.wait()
-            self.stats["waited_s"] += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.stats["waited_s"] += t1 - t0
+            if self.trace is not None:
+                self.trace.append(("wait", unit, t0, t1))
         self._raise()
 
     def is_done(self, unit: int) -> bool:
@@ -164,6 +168,7 @@ class HostStepper:
                 job.done.set()
 
     def _step(self, job: _Job) -> None:
+        t_pop = time.perf_counter()
         for event in job.events:  # the gradients' device->host copies (blocking events: no spinning)
             event.synchronize()
         sub, stand_ins, _ = self.subs[job.unit]
@@ -175,5 +180,9 @@ class HostStepper:
         finally:
             for stand_in in stand_ins:
                 stand_in.grad = None
+            t1 = time.perf_counter()
             self.stats["jobs"] += 1
-            self.stats["step_s"] += time.perf_counter() - t0
+            self.stats["step_s"] += t1 - t0
+            if self.trace is not None:
+                self.trace.append(("grads", job.unit, t_pop, t0))
+                self.trace.append(("step", job.unit, t0, t1))
