@@ -253,62 +253,45 @@ def _adamw_alone(model: nn.Module, device: torch.device, threads: list[int]) -> 
         stream.synchronize()
         del host, dev
     out["by_memory"] = {kind: _adamw_in_memory(model, kind) for kind in MEMORY_KINDS
-                        if device.type == "cuda" or "pinned" not in kind and kind != "cuda_host_alloc"}
+                        if device.type == "cuda" or kind == "regular"}
     out["per_unit_step_s"] = _adamw_in_memory(model, "regular", per_unit=True)
     out["foreach_step_s"] = _adamw_in_memory(model, "regular", foreach=True)
-    out["thp"] = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
     return out
 
 
-# Where the weights and gradients AdamW streams live: torch.empty memory, the offload arena with
-# plain or huge pages, page-locked (cudaHostRegister) or not, cudaHostAlloc'd memory; "huge_all"
-# also puts AdamW's state on huge pages.
-MEMORY_KINDS = ("regular", "plain_pinned", "huge", "huge_pinned", "cuda_host_alloc", "huge_all")
+# Where the weights and gradients AdamW streams live: torch.empty memory, an offload arena
+# page-locked in place (cudaHostRegister), cudaHostAlloc'd memory.
+MEMORY_KINDS = ("regular", "arena_pinned", "cuda_host_alloc")
 
 
 def _adamw_in_memory(model: nn.Module, kind: str, per_unit: bool = False, foreach: bool = False) -> float:
-    from diffsynth_core.offload import arena
+    from diffsynth_core.offload.arena import HostArena
 
-    params = list(model.parameters())
-    numel = sum(p.numel() for p in params)
-
-    def buffer(n: int, huge: bool):
-        arena.HUGE_PAGES = huge
-        host = arena.HostArena(n * 4)
-        arena.HUGE_PAGES = True
-        return host
+    params = [p.detach() for p in model.parameters()]
     if kind == "regular":
-        pw, pg = [p.detach().clone() for p in params], [torch.randn_like(p) for p in params]
-        arenas = []
+        weights, grads, arenas = [p.clone() for p in params], [torch.randn_like(p) for p in params], []
     else:
-        arenas = [buffer(numel, kind.startswith("huge")) for _ in range(2)]
-        if kind == "cuda_host_alloc":
-            for a in arenas:
-                a.buffer = torch.empty(numel * 4, dtype=torch.uint8, pin_memory=True)
-        views = [[], []]
-        for a, out in zip(arenas, views):
-            flat, off = a.buffer.view(torch.float32), 0
+        numel = sum(p.numel() for p in params)
+        arenas = [HostArena(numel * 4) for _ in range(2)]
+        views: list[list[torch.Tensor]] = [[], []]
+        for arena, out in zip(arenas, views):
+            if kind == "cuda_host_alloc":
+                arena.buffer = torch.empty(numel * 4, dtype=torch.uint8, pin_memory=True)
+            flat, off = arena.buffer.view(torch.float32), 0
             for p in params:
                 out.append(flat[off:off + p.numel()].view_as(p))
                 off += p.numel()
-            if kind.endswith("pinned"):
-                a.pin()
-        pw, pg = views
-        for w, g, p in zip(pw, pg, params):
-            w.copy_(p.detach())
+            if kind == "arena_pinned":
+                arena.pin()
+        weights, grads = views
+        for w, g, p in zip(weights, grads, params):
+            w.copy_(p)
             g.normal_()
-    stand_ins = [nn.Parameter(w) for w in pw]
-    for s, g in zip(stand_ins, pg):
+    stand_ins = [nn.Parameter(w) for w in weights]
+    for s, g in zip(stand_ins, grads):
         s.grad = g
     groups = [stand_ins[i:i + 2] for i in range(0, len(stand_ins), 2)] if per_unit else [stand_ins]
     opts = [torch.optim.AdamW(g, lr=1e-5, **({"foreach": True} if foreach else {"fused": True})) for g in groups]
-    if kind == "huge_all":
-        for opt in opts:
-            for s in opt.param_groups[0]["params"]:
-                state = [buffer(s.numel(), True).buffer.view(torch.float32).view_as(s) for _ in range(2)]
-                for t in state:
-                    t.zero_()
-                opt.state[s] = {"step": torch.tensor(0.0), "exp_avg": state[0], "exp_avg_sq": state[1]}
     for opt in opts:
         opt.step()
     t0 = time.perf_counter()
@@ -316,9 +299,8 @@ def _adamw_in_memory(model: nn.Module, kind: str, per_unit: bool = False, foreac
         for opt in opts:
             opt.step()
     elapsed = (time.perf_counter() - t0) / 5
-    for a in arenas:
-        if a.pinned:
-            a.release()
+    for arena in arenas:
+        arena.release()
     return elapsed
 
 
@@ -334,9 +316,6 @@ def optim_worker(a) -> dict:
     if a.mode == "cpu_adamw_alone":
         n = torch.get_num_threads()
         return _adamw_alone(model, cuda, sorted({max(1, n - k) for k in (1, 2, 4)} | {max(1, n // 2)}, reverse=True))
-    if a.plain_pages:
-        from diffsynth_core.offload import arena
-        arena.HUGE_PAGES = False
     mgr = None
     if a.mode == "all_gpu":
         model.to(cuda)
@@ -399,8 +378,8 @@ OPTIM_ROWS = {  # row -> (mode, extra worker args, extra environment)
     "unbound": ("unbound", [], {}),
     "bound": ("bound", [], {}),
     "bound_overlap_backward": ("bound_overlap_backward", [], {}),
-    # diagnostic: the arenas on 4 KiB pages (the worker's threads: --threads-less N, N=2 by default)
-    "bound_overlap_backward_plain_pages": ("bound_overlap_backward", ["--plain-pages"], {}),
+    # diagnostic: the worker with every intra-op thread (the default leaves two)
+    "bound_overlap_backward_all_threads": ("bound_overlap_backward", ["--threads-less", "0"], {}),
 }
 
 
@@ -432,7 +411,7 @@ def main() -> None:
     ap.add_argument("--lora-file", default="")
     ap.add_argument("--qwen-rows", default="budget_24gb,fp8_budget_16gb",
                     help="qwen20b rows beside resident; also fp8_budget_16gb_act (block inputs offloaded)")
-    for flag in ("--offload", "--deterministic", "--keep-lora", "--act-offload", "--plain-pages"):
+    for flag in ("--offload", "--deterministic", "--keep-lora", "--act-offload"):
         ap.add_argument(flag, action="store_true")
     a = ap.parse_args()
     if a.worker == "qwen":

@@ -12,22 +12,14 @@ be plugged in.  An arena offers ``buffer`` (uint8 tensor of ``nbytes``), ``nbyte
 pages are only touched as weights are copied in (while the originals are dropped one by one), so
 host RAM never holds two copies of the model; page-locking an empty arena would commit all of it
 up front.
-
-The buffer is anonymous memory the kernel is asked to back with 2 MiB pages (``MADV_HUGEPAGE``;
-transparent huge pages, where the kernel allows them): the host optimizer streams every
-optimizer-offloaded weight and gradient once per step, and CPU streaming over 4 KiB pages pays
-TLB misses and hardware prefetchers that stop at every page boundary.  ``HUGE_PAGES = False``
-gives plain ``torch.empty`` memory instead (the bench compares both).
 """
 
 from __future__ import annotations
 
-import mmap
 import warnings
 
 import torch
 
-HUGE_PAGES = True
 _warned_pageable = False
 
 
@@ -44,7 +36,7 @@ class HostArena:
 
     def __init__(self, nbytes: int):
         self.nbytes = nbytes
-        self.buffer = _huge_page_buffer(max(nbytes, 1)) if HUGE_PAGES else torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        self.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8)
         self.pinned = False
 
     def pin(self) -> None:
@@ -71,15 +63,6 @@ class HostArena:
             torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
             self.pinned = False
         self.buffer = torch.empty(0, dtype=torch.uint8)
-
-
-def _huge_page_buffer(nbytes: int) -> torch.Tensor:
-    """Untouched anonymous memory (pages arrive as written), advised to use huge pages; the tensor
-    keeps the mapping alive for as long as any view of it lives."""
-    mapping = mmap.mmap(-1, nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
 def typed_view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
