@@ -7,8 +7,11 @@ after backward leaves the GPU idle for the whole CPU step; instead each unit get
 always view the unit's host copy (the real parameters point into a device slot while the unit is
 loaded), sharing the user's ``optimizer.state`` entries (so ``state_dict()``, checkpoints and
 resume see one optimizer).  A worker thread runs the sub-steps, earliest unit in execution order
-first, so the next forward, which waits for each unit's step before copying it to the device,
-rarely waits long.  Element-wise optimizers (Adam, AdamW, SGD, ...) update each tensor from its
+first among those whose gradients have landed, so the next forward, which waits for each unit's
+step before copying it to the device, rarely waits long.  (Steps are queued as autograd *issues*
+the gradients, well ahead of the GPU: the earliest unit's gradients are the last to arrive, so
+picking it first regardless left the worker waiting for them while others' sat ready; with no
+job ready it waits for the one queued first, whose copies the grad stream runs first.)  Element-wise optimizers (Adam, AdamW, SGD, ...) update each tensor from its
 own state, so stepping unit by unit gives bitwise the same result as one ``step()`` over all.
 
 The worker's CPU kernels (fused AdamW) split each tensor over intra-op threads in equal static
@@ -20,7 +23,6 @@ threads that feed the GPU.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import threading
 import time
@@ -55,9 +57,13 @@ def _sub_optimizer(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torc
 
 
 class _Job:
-    def __init__(self, unit: int, grads: list, events: list):
-        self.unit, self.grads, self.events = unit, grads, events
+    def __init__(self, unit: int, seq: int, grads: list, events: list):
+        self.unit, self.seq, self.grads, self.events = unit, seq, grads, events
         self.done = threading.Event()
+
+    def ready(self) -> bool:
+        """Its gradients are on the host (its device->host copies have run)."""
+        return all(event.query() for event in self.events)
 
 
 class HostStepper:
@@ -97,7 +103,7 @@ class HostStepper:
             self.reals[unit] = [real for real, _ in pairs]
         self.params = {id(real) for pairs in units.values() for real, _ in pairs if id(real) in group_of}
         self._jobs: dict[int, _Job] = {}
-        self._heap: list = []
+        self._queue: list[_Job] = []
         self._seq = itertools.count()
         self._cv = threading.Condition()
         self._error: BaseException | None = None
@@ -113,10 +119,10 @@ class HostStepper:
         sub, _, used = self.subs[unit]
         for sub_group, gi in zip(sub.param_groups, used):  # e.g. the LR scheduler's latest lr
             sub_group.update({k: v for k, v in self.optimizer.param_groups[gi].items() if k != "params"})
-        job = _Job(unit, [grads.get(id(r)) for r in self.reals[unit]], list(events))
+        job = _Job(unit, next(self._seq), [grads.get(id(r)) for r in self.reals[unit]], list(events))
         with self._cv:
             self._jobs[unit] = job
-            heapq.heappush(self._heap, (unit, next(self._seq), job))
+            self._queue.append(job)
             self._cv.notify()
 
     def wait(self, unit: int) -> None:
@@ -154,11 +160,11 @@ class HostStepper:
         torch.set_num_threads(self.threads)  # this thread's OpenMP team only (the caller's is set)
         while True:
             with self._cv:
-                while not self._heap and not self._closed:
+                while not self._queue and not self._closed:
                     self._cv.wait()
-                if not self._heap:
+                if not self._queue:
                     return
-                _, _, job = heapq.heappop(self._heap)
+                job = self._pick()
             try:
                 if self._error is None:
                     self._step(job)
@@ -166,6 +172,17 @@ class HostStepper:
                 self._error = exc
             finally:
                 job.done.set()
+
+    def _pick(self) -> _Job:
+        """The earliest unit whose gradients have landed, else the job queued first (a unit's
+        jobs run in the order they were queued)."""
+        first: dict[int, _Job] = {}
+        for job in self._queue:  # in the order queued
+            first.setdefault(job.unit, job)
+        ready = [job for job in first.values() if job.ready()]
+        job = min(ready, key=lambda j: j.unit) if ready else self._queue[0]
+        self._queue.remove(job)
+        return job
 
     def _step(self, job: _Job) -> None:
         t_pop = time.perf_counter()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -197,3 +198,41 @@ def test_host_steps_run_with_the_workers_own_thread_count():
     with pytest.raises(ValueError, match="threads"):
         other.bind_optimizer(opt, threads=0)
     other.detach()
+
+
+class _Copy:
+    """A device->host gradient copy as the host optimizer sees its CUDA event (none on this CPU
+    machine): ``query()`` says whether it ran, ``synchronize()`` waits for it."""
+
+    def __init__(self):
+        self.landed, self.awaited = threading.Event(), threading.Event()
+
+    def query(self) -> bool:
+        return self.landed.is_set()
+
+    def synchronize(self) -> None:
+        self.awaited.set()
+        self.landed.wait()
+
+
+def test_worker_steps_units_whose_gradients_landed_before_earlier_units_still_copying():
+    from diffsynth_core.offload.host_optimizer import HostStepper
+    reals = {unit: torch.nn.Parameter(torch.zeros(4)) for unit in (0, 1, 5)}
+    stepper = HostStepper(torch.optim.AdamW(reals.values(), lr=1e-2),
+                          {unit: [(p, p.detach())] for unit, p in reals.items()}, threads=1)
+    stepper.trace = []
+    copies = {unit: _Copy() for unit in reals}
+    for unit in (0, 1, 5):
+        stepper.submit(unit, {id(reals[unit]): torch.ones(4)}, [copies[unit]])
+        if unit == 0:
+            copies[0].awaited.wait()  # the worker took unit 0 and waits for its copy
+    copies[5].landed.set()  # unit 1 was queued first, but only unit 5's gradients are on the host
+    copies[0].landed.set()
+    deadline = time.monotonic() + 30
+    while not stepper.is_done(5) and time.monotonic() < deadline:  # not stuck behind unit 1's copy
+        time.sleep(0.01)
+    stepped_5_first = stepper.is_done(5)
+    copies[1].landed.set()
+    stepper.close()
+    assert stepped_5_first and [unit for what, unit, *_ in stepper.trace if what == "step"] == [0, 5, 1]
+    assert all(not torch.equal(p, torch.zeros(4)) for p in reals.values())
