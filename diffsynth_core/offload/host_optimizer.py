@@ -157,7 +157,9 @@ class HostStepper:
             raise RuntimeError("the host optimizer step failed") from self._error
 
     def _run(self) -> None:
-        torch.set_num_threads(self.threads)  # this thread's OpenMP team only (the caller's is set)
+        # Sizes this thread's OpenMP team; the caller's is already fixed (see __init__), though
+        # threads that have not run parallel CPU work yet will also start with this count.
+        torch.set_num_threads(self.threads)
         while True:
             with self._cv:
                 while not self._queue and not self._closed:
