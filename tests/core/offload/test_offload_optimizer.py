@@ -156,10 +156,13 @@ def test_overlapped_steps_start_during_backward():
     mgr.detach()
 
 
-def test_optimizer_step_before_after_backward_raises():
+@pytest.mark.parametrize("bind", [None, False, True])
+def test_optimizer_step_before_after_backward_raises(bind):
     model = _model()
     mgr = OffloadTrainingManager(model, "cpu", enable_optimizer_cpu_offload=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if bind is not None:  # also when the host steps run on the worker, during backward or not
+        mgr.bind_optimizer(opt, overlap_backward=bind)
     model(_data(0, 0)).pow(2).mean().backward()
     with pytest.raises(RuntimeError, match="after_backward"):
         opt.step()
