@@ -9,6 +9,8 @@ retried; other failures retry with backoff.  Resumption comes from disk either w
 
 from __future__ import annotations
 
+import time
+
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import ThreadPoolTaskRunner
@@ -62,6 +64,7 @@ def _raise_for(failed: list) -> None:
 @flow(name="splitflow-preprocess", flow_run_name="{name}/preprocess", task_runner=ThreadPoolTaskRunner(max_workers=4))
 def preprocess_flow(config: str | None, overrides: list[str] | None = None, name: str = "splitflow") -> dict:
     """Encode every part (concurrently, each retried when a retry can help), then finalize."""
+    started = time.perf_counter()
     cfg = load_run_config(config, overrides)
     encode = _with_retries(encode_part, cfg.preprocess.retries)
     parts = cfg.preprocess.parts
@@ -76,7 +79,9 @@ def preprocess_flow(config: str | None, overrides: list[str] | None = None, name
     encoded = sum(summary["encoded"] for summary in summaries)
     get_run_logger().info("%s: cache %s, %d entries encoded now, complete=%s", name, final["url"], encoded,
                           final["complete"])
-    return {**final, "encoded": encoded, "reused": sum(summary["reused"] for summary in summaries)}
+    return {**final, "encoded": encoded, "reused": sum(summary["reused"] for summary in summaries),
+            "truncated": sum(summary["truncated"] for summary in summaries),
+            "seconds": time.perf_counter() - started}  # the stage's wall time, every part included
 
 
 @task(name="train", task_run_name="{name}/train", cache_policy=NO_CACHE)
