@@ -135,21 +135,17 @@ def write_config(workdir: Path, meta: Path, steps: int, pixels: int, quick: bool
 
 # --- running and sampling ----------------------------------------------------------------------------
 class Sampler:
-    """Peak resident set of a process and of its whole tree, and NVML GPU memory, every 0.2 s."""
+    """Peak resident set of a process and of its whole tree every 0.2 s; NVML GPU memory (bench.offload)."""
 
     def __init__(self, pid: int):
         import psutil
 
-        self.proc, self.psutil = psutil.Process(pid), psutil
-        self.rss = self.tree = self.gpu = 0
-        self._stop = threading.Event()
-        try:
-            import pynvml
+        from bench.offload import PeakSampler
 
-            pynvml.nvmlInit()
-            self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
-        except Exception:  # noqa: BLE001 - no NVML (CPU machine): GPU peak stays None
-            self._nvml = None
+        self.proc, self.psutil = psutil.Process(pid), psutil
+        self.rss = self.tree = 0
+        self.gpu = PeakSampler()
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -161,14 +157,12 @@ class Sampler:
             except self.psutil.Error:
                 continue
             self.rss, self.tree = max(self.rss, rss), max(self.tree, tree)
-            if self._nvml:
-                self.gpu = max(self.gpu, self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
 
     def stop(self) -> dict:
         self._stop.set()
         self._thread.join()
         return {"host_peak_gb": self.rss / GB, "host_tree_peak_gb": self.tree / GB,
-                "gpu_peak_nvml_gb": self.gpu / GB if self._nvml else None}
+                "gpu_peak_nvml_gb": self.gpu.stop()}
 
 
 def run_splitflow(config: Path, extra: list[str]) -> tuple[dict, dict, float]:
