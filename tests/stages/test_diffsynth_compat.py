@@ -18,10 +18,11 @@ MODELS = {"qwen_image": "Qwen/Qwen-Image:transformer/diffusion_pytorch_model*.sa
 
 
 @pytest.fixture
-def in_release(released_models, monkeypatch):
+def in_release(released_models, monkeypatch, capsys):
     """cwd = a folder whose ./models holds the family's release, as DiffSynth leaves it."""
     def enter(family):
         root = released_models(family)
+        capsys.readouterr()  # a first build's library chatter is not the command's output
         monkeypatch.chdir(root)
         monkeypatch.delenv("DIFFSYNTH_MODEL_BASE_PATH", raising=False)
         return root
