@@ -249,10 +249,10 @@ def diffsynth_state_dict(pairs: dict[str, Pair]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _header(lora_config: dict[str, Any], **extra: str) -> dict[str, str]:
+def _header(lora_config: dict[str, Any]) -> dict[str, str]:
     # Not diffusers' "lora_adapter_metadata" key: its loader would read it as a prefixed config.
     config = json.dumps(adapter_metadata(lora_config, None), sort_keys=True)
-    return {"format": "pt", "splitflow_lora_config": config, **extra}
+    return {"format": "pt", "splitflow_lora_config": config}
 
 
 def export_lora_files(pipeline_cls: type, peft_state_dict: dict[str, torch.Tensor], lora_config: dict[str, Any],
@@ -267,9 +267,10 @@ def export_lora_files(pipeline_cls: type, peft_state_dict: dict[str, torch.Tenso
     out_dir, names = Path(out_dir), file_names(stem)
     paths = {"diffusers": save_diffusers_lora(pipeline_cls, peft_state_dict, lora_config, out_dir,
                                               names["diffusers"])}
+    header = _header(lora_config)
     comfy = comfy_state_dict(peft_state_dict, lora_config, comfyui_name)
-    paths["comfyui"] = write_safetensors(out_dir / names["comfyui"], comfy, _header(lora_config))
+    paths["comfyui"] = write_safetensors(out_dir / names["comfyui"], comfy, header)
     diffsynth = diffsynth_state_dict(diffsynth_layout(scaled_pairs(peft_state_dict, lora_config)))
     paths["diffsynth"] = write_safetensors(out_dir / names["diffsynth"], diffsynth,
-                                           _header(lora_config, splitflow_scale="folded into lora_A"))
+                                           {**header, "splitflow_scale": "folded into lora_A"})
     return paths

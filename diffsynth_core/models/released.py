@@ -89,11 +89,14 @@ def _library_class(library: str, class_name: str) -> type:
     return getattr(importlib.import_module(library), class_name)
 
 
-def _config_of(fmt: ReleasedFormat, weights: list[Path], config_file: Path | None) -> dict[str, Any]:
+def _config_of(fmt: ReleasedFormat, weights: list[Path], config_file: Path | None,
+               shapes: Shapes | None = None) -> dict[str, Any]:
+    """The class's config: a ``config.json`` beside its own weights, else inferred from ``shapes``
+    (the weights' shapes, read here when not given)."""
     if config_file is not None and fmt.convert is None:  # a config beside the class's own weights
         return json.loads(config_file.read_text())
     try:
-        return fmt.infer_config(read_shapes(weights))
+        return fmt.infer_config(read_shapes(weights) if shapes is None else shapes)
     except (KeyError, IndexError, ValueError, ZeroDivisionError) as exc:
         raise InputError(f"{weights[0].parent}: cannot derive the {fmt.class_name} config from the weights "
                          f"({type(exc).__name__}: {exc}); are these {fmt.description}?") from exc
@@ -141,13 +144,17 @@ def _fp32_modules(model: torch.nn.Module, library: str, dtype: torch.dtype) -> t
     return tuple(keep)
 
 
-def _from_converted(fmt: ReleasedFormat, weights: list[Path], config: dict, dtype: torch.dtype) -> torch.nn.Module:
+def _on_meta(fmt: ReleasedFormat, config: dict) -> torch.nn.Module:
+    """``fmt``'s class built from ``config``: parameters on meta, computed buffers real."""
     from accelerate import init_empty_weights
 
     cls = _library_class(fmt.library, fmt.class_name)
-    with MODEL_INIT_LOCK, init_empty_weights():  # parameters on meta; computed buffers real
-        model = (cls.from_config(config) if fmt.library == "diffusers"
-                 else cls(cls.config_class(**config)))
+    with MODEL_INIT_LOCK, init_empty_weights():
+        return cls.from_config(config) if fmt.library == "diffusers" else cls(cls.config_class(**config))
+
+
+def _from_converted(fmt: ReleasedFormat, weights: list[Path], config: dict, dtype: torch.dtype) -> torch.nn.Module:
+    model = _on_meta(fmt, config)
     state = strip_prefixes(load_files(weights))
     state = fmt.convert(state) if fmt.convert is not None else state
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -165,12 +172,13 @@ def _from_converted(fmt: ReleasedFormat, weights: list[Path], config: dict, dtyp
 
 
 def load_component(fmt: ReleasedFormat, files: Sequence[Path], dtype: torch.dtype,
-                   device: str | torch.device = "cpu") -> torch.nn.Module:
-    """Build ``fmt``'s class from ``files`` (weights, and maybe a ``config.json``) in ``dtype``."""
+                   device: str | torch.device = "cpu", shapes: Shapes | None = None) -> torch.nn.Module:
+    """Build ``fmt``'s class from ``files`` (weights, and maybe a ``config.json``) in ``dtype``
+    (``shapes``: the weights' shapes, when the caller has read them already)."""
     weights, config_file = weight_and_config_files(files)
     if not weights:
         raise InputError(f"no weight files among {[str(f) for f in files][:3]} for the {fmt.component}")
-    config = _config_of(fmt, weights, config_file)
+    config = _config_of(fmt, weights, config_file, shapes)
     if fmt.library == "transformers" and fmt.convert is None:  # transformers knows its checkpoints' renames
         model = _from_pretrained(fmt, weights, config, dtype)
     else:
@@ -192,10 +200,13 @@ def load_tokenizer(files: Sequence[Path]):
                          "release's tokenizer folder") from exc
 
 
-def find_format(formats: Sequence[ReleasedFormat], component: str, files: Sequence[Path]) -> ReleasedFormat:
-    """The format of ``component`` these files are in; an error naming the files when none fits."""
+def find_format(formats: Sequence[ReleasedFormat], component: str, files: Sequence[Path],
+                shapes: Shapes | None = None) -> ReleasedFormat:
+    """The format of ``component`` these files are in; an error naming the files when none fits
+    (``shapes``: the weights' shapes, when the caller has read them already)."""
     weights, _ = weight_and_config_files(files)
-    shapes = read_shapes(weights) if weights else {}
+    if shapes is None:
+        shapes = read_shapes(weights) if weights else {}
     matches = [fmt for fmt in formats if fmt.component == component and fmt.recognise(shapes)]
     if not matches:
         known = "; ".join(fmt.description for fmt in formats if fmt.component == component) or "none"
@@ -228,19 +239,16 @@ def load_named(formats: Sequence[ReleasedFormat], component: str, files: Sequenc
     weights, _ = weight_and_config_files(files)
     if not weights:
         return load_tokenizer(files)
-    return load_component(find_format(formats, component, files), files, dtype, device)
+    shapes = read_shapes(weights)  # read once: to recognise the format and to infer its config
+    return load_component(find_format(formats, component, files, shapes), files, dtype, device, shapes)
 
 
 def build_on_meta(formats: Sequence[ReleasedFormat], component: str, files: Sequence[Path]) -> torch.nn.Module:
     """The component built on the meta device from its files' config (no weight is read): for early checks."""
-    from accelerate import init_empty_weights
-
-    fmt = find_format(formats, component, files)
     weights, config_file = weight_and_config_files(files)
-    config = _config_of(fmt, weights, config_file)
-    cls = _library_class(fmt.library, fmt.class_name)
-    with MODEL_INIT_LOCK, init_empty_weights():
-        return cls.from_config(config) if fmt.library == "diffusers" else cls(cls.config_class(**config))
+    shapes = read_shapes(weights) if weights else {}  # read once: to recognise the format and to infer its config
+    fmt = find_format(formats, component, files, shapes)
+    return _on_meta(fmt, _config_of(fmt, weights, config_file, shapes))
 
 
 def build_folder_component_on_meta(path: Path, component: str) -> torch.nn.Module:

@@ -1,7 +1,6 @@
 """Weight streaming for training and inference: units, pinned arena, copy stream + prefetch,
 optimizer offload.  Importable with torch alone."""
 
-from . import arena, shared_arena
 from .manager import OffloadTrainingManager
 
 __all__ = ["OffloadTrainingManager"]

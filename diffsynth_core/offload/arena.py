@@ -67,5 +67,5 @@ class HostArena:
 
 def typed_view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
     """A tensor of ``dtype``/``shape`` over ``buf`` (uint8) starting at byte ``offset``."""
-    n = shape.numel() * torch.empty((), dtype=dtype).element_size()
+    n = shape.numel() * dtype.itemsize
     return buf.narrow(0, offset, n).view(dtype).view(shape)

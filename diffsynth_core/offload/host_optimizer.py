@@ -101,7 +101,6 @@ class HostStepper:
             sub.state = _StateOfReal(optimizer, {id(s): r for s, (r, _) in zip(stand_ins, pairs)})
             self.subs[unit] = (sub, stand_ins, used)
             self.reals[unit] = [real for real, _ in pairs]
-        self.params = {id(real) for pairs in units.values() for real, _ in pairs if id(real) in group_of}
         self._jobs: dict[int, _Job] = {}
         self._queue: list[_Job] = []
         self._seq = itertools.count()
@@ -110,9 +109,6 @@ class HostStepper:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="splitflow-host-optimizer", daemon=True)
         self._thread.start()
-
-    def owns(self, unit: int) -> bool:
-        return unit in self.subs
 
     def submit(self, unit: int, grads: dict, events: list = ()) -> None:
         """Queue ``unit``'s step with the hyper-parameters the user's groups hold now."""

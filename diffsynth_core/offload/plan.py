@@ -11,7 +11,6 @@ from .arena import typed_view
 from .quant import dequantize_rows, quantize_rows
 from .units import TensorRecord, Unit, align_up, candidate_modules, find_block_containers, owners_of
 
-GIB = 2**30
 MIB = 2**20
 
 
@@ -38,18 +37,14 @@ class Plan:
         for p, _ in self.resident_params:
             upcast = self.trainable_dtype if p.requires_grad and p.is_floating_point() else None
             p.data = p.data.to(self.device, dtype=upcast)
-        moved: dict[int, torch.Tensor] = {}  # a buffer shared by two modules stays shared
-        for mod, name, _ in self.buffers:
-            buf = mod._buffers[name]
-            mod._buffers[name] = moved.setdefault(id(buf), buf.to(self.device))
+        self._move_buffers(back=False)
 
     def fixed_bytes(self, n_slots: int) -> int:
         """Device bytes the engine places itself: everything outside the units (trainable weights
         in ``trainable_dtype``), the streaming slots and the widening stages."""
         resident = 0
         for p, _ in self.resident_params:
-            size = p.element_size() if not (p.requires_grad and self.trainable_dtype) else \
-                torch.empty((), dtype=self.trainable_dtype).element_size()
+            size = self.trainable_dtype.itemsize if p.requires_grad and self.trainable_dtype else p.element_size()
             resident += p.numel() * size
         buffers = {id(m._buffers[n]): m._buffers[n] for m, n, _ in self.buffers}
         resident += sum(t.numel() * t.element_size() for t in buffers.values())
@@ -111,10 +106,17 @@ class Plan:
         self.budget_bufs.clear()
         for p, dev in self.resident_params:
             p.data = p.data.to(dev)
+        self._move_buffers(back=True)
+
+    def _move_buffers(self, back: bool) -> None:
+        """Every buffer to the target device (``back``: to where it was); a buffer shared by two
+        modules stays shared."""
         moved: dict[int, torch.Tensor] = {}
-        for mod, name, dev in self.buffers:
+        for mod, name, origin in self.buffers:
             buf = mod._buffers[name]
-            mod._buffers[name] = moved.setdefault(id(buf), buf.to(dev))
+            if id(buf) not in moved:
+                moved[id(buf)] = buf.to(origin if back else self.device)
+            mod._buffers[name] = moved[id(buf)]
 
 
 def _release(root: nn.Module, rec: TensorRecord) -> None:

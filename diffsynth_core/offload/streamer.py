@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .arena import typed_view
-from .plan import master_view, scale_view, stage_count
+from .plan import master_view, stage_count
 from .quant import dequantize_rows
 from .units import Unit
 

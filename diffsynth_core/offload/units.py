@@ -74,21 +74,17 @@ class Unit:
         host = dev = 0
         for rec in self.tensors:
             rec.host_offset = host
-            host = align_up(host + rec.numel * _itemsize(rec.store_dtype))
+            host = align_up(host + rec.numel * rec.store_dtype.itemsize)
             if rec.quantized:
                 rec.scale_offset = host
                 host = align_up(host + rec.shape[0] * 4)
             rec.dev_offset = dev
-            dev = align_up(dev + rec.numel * _itemsize(rec.compute_dtype))
+            dev = align_up(dev + rec.numel * rec.compute_dtype.itemsize)
         self.host_bytes, self.dev_bytes = host, dev
 
     @property
     def casts(self) -> bool:
         return any(rec.needs_cast for rec in self.tensors)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _resolve(model: nn.Module, dotted: str) -> nn.Module:

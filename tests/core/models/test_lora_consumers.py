@@ -218,7 +218,7 @@ def comfy_apply(lora, key_map, native_sd):
 
 
 def test_comfyui_loads_every_key_at_the_right_scale(exported):
-    spec, family = exported["spec"], exported["spec"].name
+    family = exported["spec"].name
     config = dict(exported["model"].config)
     lora = load_file(str(exported["paths"]["comfyui"]))
     native = comfy_native(family, exported["base"], config)
