@@ -45,16 +45,21 @@ def looks_like_diffsynth(root: Root) -> bool:
     return any(any(f.endswith(".pth") for f in root.listdir(r)) for r in ranks[:4])
 
 
+def _diffsynth_hint(root: Root) -> str:
+    if not looks_like_diffsynth(root):
+        return ""
+    return (" It looks like a DiffSynth-Studio cache: convert it with `splitflow cache import SRC DEST` "
+            "(cache_store.diffsynth.import_diffsynth_cache).")
+
+
 def _create_header(root: Root, backend: str | None, fingerprint: str | None, family: str | None) -> None:
     # a racing creator's temp file, or a writer's part lock taken before the cache existed
     present = [n for n in root.listdir("") if not n.endswith(".partial") and n != LOCKS]
     if HEADER in present:
         return  # a concurrent writer created the cache since we looked
     if present:
-        hint = (" It looks like a DiffSynth-Studio cache: convert it with `splitflow cache import SRC DEST` "
-                "(cache_store.diffsynth.import_diffsynth_cache)." if looks_like_diffsynth(root) else "")
         raise CacheFormatError(f"cache {root.url}: folder exists and is not a splitflow cache "
-                               f"(no {HEADER}); refusing to write into it.{hint}")
+                               f"(no {HEADER}); refusing to write into it.{_diffsynth_hint(root)}")
     backend = backend or "zarr"
     header = {"format": FORMAT, "version": VERSION, "backend": backend,
               "fingerprint": fingerprint, "created_at": time.time()}
@@ -103,9 +108,8 @@ def open_cache(url: str | os.PathLike, mode: str = "r", *, backend: str | None =
     root = Root(os.fspath(url), storage_options)
     header = read_header(root)
     if header is None and mode == "r":
-        hint = (" It looks like a DiffSynth-Studio cache: convert it with `splitflow cache import SRC DEST` "
-                "(cache_store.diffsynth.import_diffsynth_cache)." if looks_like_diffsynth(root) else "")
-        raise CacheFormatError(f"cache {root.url}: no splitflow cache here (no {HEADER}); run preprocess.{hint}")
+        raise CacheFormatError(f"cache {root.url}: no splitflow cache here (no {HEADER}); "
+                               f"run preprocess.{_diffsynth_hint(root)}")
     if header is None:
         _create_header(root, backend, fingerprint, family)
         header = read_header(root)

@@ -1,4 +1,4 @@
-"""Small helpers both stages share: device choice, dataset and model identity from a config."""
+"""Small helpers both stages share: device choice, model loading and identity from a config."""
 
 from __future__ import annotations
 
@@ -9,12 +9,9 @@ import torch
 import torch.distributed as dist
 
 from cache_store.digests import file_digest
-from diffsynth_core.data import SampleDataset
 from diffsynth_core.models import FamilySpec
 
 from .config import RunConfig
-from .datasets import ConcatSamples
-from .datasets import open_dataset as open_configured
 from diffsynth_core.errors import InputError
 
 
@@ -55,11 +52,6 @@ def is_main_process() -> bool:
 
 def model_dtype(cfg: RunConfig) -> torch.dtype:
     return getattr(torch, cfg.model.dtype)
-
-
-def open_dataset(cfg: RunConfig, spec: FamilySpec) -> SampleDataset | ConcatSamples:
-    """The dataset section's data: a metadata file, a caption folder or several sources."""
-    return open_configured(cfg.dataset, spec)
 
 
 def _expand(paths: list[str], key: str) -> list[Path]:

@@ -14,7 +14,7 @@ from typing import Iterable, Iterator
 
 from diffsynth_core.data import Sample, SampleDataset
 
-Item = tuple[int, "Sample | None"]  # (row, decoded sample or None for a skipped bad row)
+Item = tuple[int, Sample | None]  # (row, decoded sample or None for a skipped bad row)
 
 
 def decoded(dataset: SampleDataset, rows: list[int], workers: int, lookahead: int) -> Iterator[Item]:

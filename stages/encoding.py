@@ -259,8 +259,7 @@ def _encode_batches(cfg: RunConfig, plan, store, rows: list[int],
     from tqdm.auto import tqdm
 
     p = cfg.preprocess
-    tiles = {row: row_tile(cfg, plan.spec, plan.dataset.key_settings(row)) for row in rows} \
-        if p.vae_tiling is True or p.vram_budget_gb else {}
+    tiles = plan.tiles  # row -> VAE tile, decided when the row was keyed
     max_length = p.max_sequence_length
     options = {"max_sequence_length": max_length} if max_length else {}
     items = decoded(plan.dataset, rows, p.decode_workers, lookahead=max(2 * p.decode_workers, p.batch_size))

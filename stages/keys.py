@@ -19,8 +19,9 @@ from cache_store.opener import check_identity
 from diffsynth_core.data import SampleDataset
 from diffsynth_core.models import FamilySpec, check_model_folder, get_family
 
-from .common import encoder_identity, open_dataset
+from .common import encoder_identity
 from .config import RunConfig
+from .datasets import open_dataset
 from .encoding import row_key_settings
 from .secrets import storage_options
 
@@ -34,6 +35,7 @@ class Plan:
     dataset: SampleDataset
     keys: dict[int, str]  # row -> content key, for the rows this plan covers, in row order
     fingerprint: str      # identity of the encoders
+    tiles: dict[int, int] = field(default_factory=dict)  # row -> VAE tile, for the rows encoded in tiles
 
 
 def make_plan(cfg: RunConfig, part: int | None = None) -> Plan:
@@ -45,7 +47,7 @@ def make_plan(cfg: RunConfig, part: int | None = None) -> Plan:
     """
     spec = get_family(cfg.model.family)
     check_model_folder(spec, cfg.model.path)
-    dataset = open_dataset(cfg, spec)
+    dataset = open_dataset(cfg.dataset, spec)
     identity = encoder_identity(cfg, spec)
     encoding = {"max_sequence_length": cfg.preprocess.max_sequence_length, "dtype": cfg.model.dtype,
                 "encoders": identity}
@@ -53,9 +55,15 @@ def make_plan(cfg: RunConfig, part: int | None = None) -> Plan:
     if part is not None:  # a row's repeats (dataset.sources) go to the part of its first occurrence
         first_row = getattr(dataset, "first_row", lambda row: row)
         rows = [row for row in rows if first_row(row) % cfg.preprocess.parts == part]
-    keys = {row: entry_key(dataset.records[row], dataset.source_files(row),
-                           _row_settings(cfg, spec, dataset, row, encoding)) for row in rows}
-    return Plan(spec, dataset, keys, fingerprint_of(identity))
+    keys, tiles = {}, {}
+    for row in rows:
+        files = dataset.source_files(row)
+        settings = dataset.key_settings(row)  # reads an image's header: once per row, here
+        tiled = row_key_settings(cfg, spec, settings)  # the VAE tile, if any
+        keys[row] = entry_key(dataset.records[row], files, {**settings, **encoding, **tiled})
+        if tiled:  # encoding uses the tile its key records
+            tiles[row] = tiled["vae_tile"]
+    return Plan(spec, dataset, keys, fingerprint_of(identity), tiles)
 
 
 def empty_prompt_key(cfg: RunConfig, encoder_fingerprint: str) -> str:
@@ -64,11 +72,6 @@ def empty_prompt_key(cfg: RunConfig, encoder_fingerprint: str) -> str:
     settings = {"empty_prompt": True, "encoders": encoder_fingerprint, "dtype": cfg.model.dtype,
                 "max_sequence_length": cfg.preprocess.max_sequence_length}
     return f"{AUX_PREFIX}empty-prompt.{fingerprint_of(settings)}"
-
-
-def _row_settings(cfg: RunConfig, spec: FamilySpec, dataset: SampleDataset, row: int, encoding: dict) -> dict:
-    settings = dataset.key_settings(row)
-    return {**settings, **encoding, **row_key_settings(cfg, spec, settings)}  # + the VAE tile, if any
 
 
 @dataclass

@@ -92,9 +92,10 @@ def _run_part(cfg: RunConfig, part: int | None, writer: str, lock) -> CacheSumma
     rows = _unique_rows(plan)
     todo = [row for row in rows if not store.has(plan.keys[row])]
     summary = CacheSummary(store.url, part, parts, len(rows), 0, len(rows) - len(todo))
-    empty_missing = part in (None, 0) and not store.has(empty_prompt_key(cfg, plan.fingerprint))  # once per cache
-    if todo or empty_missing:
-        empty_key = empty_prompt_key(cfg, plan.fingerprint) if empty_missing else None
+    empty_key = empty_prompt_key(cfg, plan.fingerprint)
+    if part not in (None, 0) or store.has(empty_key):
+        empty_key = None  # part 0 (or the only writer) encodes it, once per cache
+    if todo or empty_key:
         summary.encoded, summary.skipped, summary.truncated = _encode_rows(cfg, plan, store, todo, part, empty_key)
     if part is None:
         summary.complete = finalize(cfg, summary.skipped, plan=plan).complete

@@ -12,13 +12,9 @@ from cache_store import open_cache
 from stages import encoding, preprocess
 from stages.config import build_config
 from stages.encoder_memory import vae_tile
+from tests.stages.metadata import cached_entries, rewrite_metadata
 
 SMALL = "dataset.max_pixels=4096"  # the demo's two image sizes become 64x64 and 80x48: fast, still two shapes
-
-
-def _entries(url):
-    store = open_cache(url, mode="r")
-    return {key: store.get(key) for key in store.require_complete()}
 
 
 def test_encoders_load_once_per_process_across_parts_and_threads(make_config):
@@ -53,7 +49,7 @@ def test_batches_hold_one_shape_and_match_one_at_a_time(make_config, tmp_path):
     finally:
         object.__setattr__(qwen.SPEC, "encode_pixel_batch", real)
     assert sorted(b[0] for b in batches) == [4, 4, 4, 4] and len({b[1:] for b in batches}) == 2
-    got, want = _entries(batched.cache_url), _entries(one.cache_url)
+    got, want = cached_entries(batched.cache_url), cached_entries(one.cache_url)
     assert got.keys() == want.keys()  # batching is not part of an entry's identity
     for key, entry in want.items():
         for name, tensor in entry.items():
@@ -63,19 +59,11 @@ def test_batches_hold_one_shape_and_match_one_at_a_time(make_config, tmp_path):
 
 
 def test_a_corrupt_image_stops_the_run_after_the_rows_decoded_before_it_are_written(make_config):
-    import csv
     import os
 
     cfg = make_config(SMALL, "preprocess.batch_size=8", "preprocess.commit_every=1")
     open(os.path.join(cfg.dataset.base_path, "broken.png"), "wb").write(b"not a png")
-    path = cfg.dataset.metadata_path
-    with open(path, newline="") as handle:
-        rows = list(csv.DictReader(handle))
-    rows.insert(5, {"image": "broken.png", "prompt": "broken"})
-    with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=["image", "prompt"])
-        writer.writeheader()
-        writer.writerows(rows)
+    rewrite_metadata(cfg, lambda rows: rows[:5] + [{"image": "broken.png", "prompt": "broken"}] + rows[5:])
     with pytest.raises(Exception, match="broken.png"):
         preprocess.run(cfg)  # batches of 8 were still filling when row 5 failed to decode
     assert len(open_cache(cfg.cache_url, mode="r").keys()) == 5  # the five rows before it are kept

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import shutil
 
 import pytest
@@ -13,16 +12,7 @@ from diffsynth_core.models import get_family
 from stages import preprocess, train
 from stages.common import encoder_identity
 from stages.identity import METADATA_KEY, base_model
-
-
-def keep_rows(cfg, count: int) -> None:
-    """Cut the demo metadata to its first ``count`` rows (tests stay fast)."""
-    with open(cfg.dataset.metadata_path, newline="") as handle:
-        rows = list(csv.DictReader(handle))[:count]
-    with open(cfg.dataset.metadata_path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=["image", "prompt"])
-        writer.writeheader()
-        writer.writerows(rows)
+from tests.stages.metadata import keep_rows
 
 
 def edit_in_place(path) -> None:

@@ -2,27 +2,13 @@
 
 from __future__ import annotations
 
-import csv
-
 import pytest
 
 from cache_store import IncompleteCacheError, open_cache
 from stages import preprocess, train
 from stages.keys import make_plan, training_keys
 from stages.status import run_status
-from tests.stages.test_identity import keep_rows
-
-
-def _rows(cfg) -> list[dict]:
-    with open(cfg.dataset.metadata_path, newline="") as handle:
-        return list(csv.DictReader(handle))
-
-
-def _write_rows(cfg, rows: list[dict]) -> None:
-    with open(cfg.dataset.metadata_path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=["image", "prompt"])
-        writer.writeheader()
-        writer.writerows(rows)
+from tests.stages.metadata import keep_rows, rewrite_metadata
 
 
 def test_two_configs_sharing_a_cache_each_train_on_exactly_their_entries(make_config):
@@ -57,9 +43,9 @@ def test_a_partial_cache_or_an_edited_metadata_is_refused_before_any_step(make_c
 
     preprocess.run(cfg, 1)
     assert run_status(cfg)["cache"]["complete"]
-    rows = _rows(cfg)
-    rows[2]["prompt"] = "an edited caption"  # edited after preprocessing; train alone is run
-    _write_rows(cfg, rows)
+    # row 3 edited after preprocessing; train alone is run
+    rewrite_metadata(cfg, lambda rows: [dict(r, prompt="an edited caption") if i == 2 else r
+                                        for i, r in enumerate(rows)])
     with pytest.raises(IncompleteCacheError, match="1 of 4 .*data row 3"):
         train.run(cfg)
     assert not (cfg.output_dir / "checkpoints").exists()
@@ -67,8 +53,7 @@ def test_a_partial_cache_or_an_edited_metadata_is_refused_before_any_step(make_c
 
 def test_identical_rows_are_one_entry_trained_on_as_often_as_listed(make_config):
     cfg = make_config()
-    rows = _rows(cfg)[:2]
-    _write_rows(cfg, [rows[0], rows[0], rows[1], rows[0]])  # row 0 up-weighted three times
+    rewrite_metadata(cfg, lambda rows: [rows[0], rows[0], rows[1], rows[0]])  # row 0 up-weighted three times
     summary = preprocess.run(cfg)
     assert (summary.encoded, summary.complete) == (2, True)
     _, keys = training_keys(cfg)

@@ -1,4 +1,3 @@
-import csv
 import os
 import signal
 import subprocess
@@ -12,27 +11,12 @@ from cache_store import IncompleteCacheError, open_cache
 from diffsynth_core.data import DatasetError
 from stages import preprocess
 from stages.keys import training_keys
-
-
-def _rewrite_metadata(cfg, edit):
-    path = cfg.dataset.metadata_path
-    with open(path, newline="") as handle:
-        rows = list(csv.DictReader(handle))
-    rows = edit(rows)
-    with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=["image", "prompt"])
-        writer.writeheader()
-        writer.writerows(rows)
-
-
-def _entries(url):
-    store = open_cache(url, mode="r")
-    return {key: store.get(key) for key in store.require_complete()}
+from tests.stages.metadata import cached_entries, rewrite_metadata
 
 
 def _assert_same_entries(url, reference_url):
     """Both caches hold the same keys with bitwise-equal tensors."""
-    got, expected = _entries(url), _entries(reference_url)
+    got, expected = cached_entries(url), cached_entries(reference_url)
     assert got.keys() == expected.keys()
     for key in expected:
         for name, tensor in expected[key].items():
@@ -46,7 +30,7 @@ def test_rerun_encodes_nothing_and_a_changed_caption_reencodes_one_entry(make_co
     assert (first.encoded, first.reused, first.complete) == (16, 0, True)
     assert preprocess.run(cfg).encoded == 0
 
-    _rewrite_metadata(cfg, lambda rows: [dict(r, prompt="a new caption") if i == 3 else r for i, r in enumerate(rows)])
+    rewrite_metadata(cfg, lambda rows: [dict(r, prompt="a new caption") if i == 3 else r for i, r in enumerate(rows)])
     changed = preprocess.run(cfg)
     assert (changed.encoded, changed.reused) == (1, 15)
 
@@ -54,7 +38,7 @@ def test_rerun_encodes_nothing_and_a_changed_caption_reencodes_one_entry(make_co
 def test_removed_rows_are_not_trained_on(make_config):
     cfg = make_config()
     preprocess.run(cfg)
-    _rewrite_metadata(cfg, lambda rows: rows[:10])
+    rewrite_metadata(cfg, lambda rows: rows[:10])
     summary = preprocess.run(cfg)
     assert summary.encoded == 0 and summary.complete
     assert len(training_keys(cfg)[1]) == 10 and len(open_cache(cfg.cache_url, mode="r").keys()) == 16
@@ -80,7 +64,7 @@ def test_missing_image_is_an_error_naming_file_and_row_and_nothing_written_is_lo
     cfg = make_config()
     preprocess.run(cfg)
     before = sorted(open_cache(cfg.cache_url, mode="r").keys())
-    _rewrite_metadata(cfg, lambda rows: rows + [{"image": "missing.png", "prompt": "ghost"}])
+    rewrite_metadata(cfg, lambda rows: rows + [{"image": "missing.png", "prompt": "ghost"}])
     with pytest.raises(DatasetError, match="missing.png") as err:
         preprocess.run(cfg)
     assert "row" in str(err.value)
@@ -90,7 +74,7 @@ def test_missing_image_is_an_error_naming_file_and_row_and_nothing_written_is_lo
 def test_bad_rows_are_skipped_and_reported_when_asked(make_config):
     cfg = make_config("dataset.skip_bad_samples=true")
     (tmp := cfg.dataset.base_path) and open(os.path.join(tmp, "broken.png"), "wb").write(b"not a png")
-    _rewrite_metadata(cfg, lambda rows: rows + [{"image": "broken.png", "prompt": "broken"}])
+    rewrite_metadata(cfg, lambda rows: rows + [{"image": "broken.png", "prompt": "broken"}])
     summary = preprocess.run(cfg)
     assert summary.encoded == 16 and summary.complete
     assert [item["row"] for item in summary.skipped] == [16] and "broken.png" in summary.skipped[0]["reason"]
@@ -101,7 +85,7 @@ def test_skipped_rows_are_recorded_in_the_cache_so_a_separate_finalize_completes
     """Parts run as separate processes (pools) return nothing to finalize: the cache says what was skipped."""
     cfg = make_config("dataset.skip_bad_samples=true", "preprocess.parts=2")
     open(os.path.join(cfg.dataset.base_path, "broken.png"), "wb").write(b"not a png")
-    _rewrite_metadata(cfg, lambda rows: rows + [{"image": "broken.png", "prompt": "broken"}])
+    rewrite_metadata(cfg, lambda rows: rows + [{"image": "broken.png", "prompt": "broken"}])
     for part in range(2):
         preprocess.run(cfg, part)
     store = open_cache(cfg.cache_url, mode="r")

@@ -12,7 +12,7 @@ from stages import preprocess, secrets, train
 from stages.config import load_config
 from stages.status import run_status
 from tests.cache_store.conftest import s3_bucket, s3_server  # noqa: F401 - moto's real server
-from tests.stages.test_identity import keep_rows
+from tests.stages.metadata import keep_rows
 
 
 def test_references_resolve_from_the_environment_and_registered_resolvers(monkeypatch):

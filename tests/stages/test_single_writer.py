@@ -15,7 +15,7 @@ from diffsynth_core.errors import EXIT_ENVIRONMENT, LockHeldError
 from diffsynth_core.training.metrics import read_metrics
 from stages import preprocess, train
 from stages.locks import OUTPUT_LOCK, cache_part_lock
-from tests.stages.test_identity import keep_rows
+from tests.stages.metadata import keep_rows
 
 
 def _cli_train(config_path) -> list[str]:
