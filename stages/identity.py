@@ -27,15 +27,24 @@ METADATA_KEY = "base_model"
 def base_model(cfg: RunConfig, spec: FamilySpec) -> dict:
     """{"fingerprint", "path"}: what the checkpoint records about the weights it trains on."""
     if cfg.model.transformer_file:
-        path = Path(cfg.model.transformer_file)
+        path = _named_file(cfg.model.transformer_file, "model.transformer_file")
         files = {path.name: file_digest(path)}
     else:
         path = Path(cfg.model.path) / spec.transformer_component
         files = component_digests(cfg, spec, spec.transformer_component)
     fused = cfg.train.preset_lora_path
-    content = {"family": spec.name, "transformer": files, "preset_lora": file_digest(fused) if fused else None}
+    preset = file_digest(_named_file(fused, "train.preset_lora_path")) if fused else None
+    content = {"family": spec.name, "transformer": files, "preset_lora": preset}
     label = str(path) + (f" + preset LoRA {fused}" if fused else "")
     return {"fingerprint": fingerprint_of(content), "path": label}
+
+
+def _named_file(value: str, key: str) -> Path:
+    """The file a config key names; a missing one is the user's input (one line, exit 2), not a bug."""
+    path = Path(value)
+    if not path.is_file():
+        raise InputError(f"{key}: {path} is not a file" + ("" if path.exists() else " (it does not exist)"))
+    return path
 
 
 def check_resume_base(checkpoints: CheckpointManager, base: dict) -> None:
