@@ -15,7 +15,7 @@ from PIL import Image, ImageDraw
 
 from stages.config import RunConfig
 from stages.preprocess import CacheSummary
-from stages.status import last_metrics, metric_rows
+from stages.status import metric_rows
 from stages.train import TrainSummary
 
 from .observe import artifact_key
@@ -77,8 +77,8 @@ def train_report(name: str, cfg: RunConfig, summary: TrainSummary) -> None:
     """A markdown summary (steps, final loss, time, output paths), the loss curve, validation images."""
     from prefect.artifacts import create_image_artifact, create_markdown_artifact
 
-    last = last_metrics(cfg)
-    loss = summary.final_loss if summary.final_loss is not None else (float(last["loss"]) if last else None)
+    rows = metric_rows(cfg)  # read once: the fallback final loss and the curve
+    loss = summary.final_loss if summary.final_loss is not None else (float(rows[-1]["loss"]) if rows else None)
     lines = [f"# {name}: training", "", "| | |", "|---|---|", f"| steps | {summary.steps} |",
              f"| resumed from step | {summary.resumed_from} |",
              f"| final loss | {loss:.6g} |" if loss is not None else "| final loss | - |",
@@ -88,7 +88,7 @@ def train_report(name: str, cfg: RunConfig, summary: TrainSummary) -> None:
                   f"`{cfg.output_dir / 'checkpoints'}`."]
     create_markdown_artifact("\n".join(lines), key=artifact_key(name, "train-summary"),
                              description=f"{name}: {summary.describe()}")
-    points = [(int(row["step"]), float(row["loss"])) for row in metric_rows(cfg)]
+    points = [(int(row["step"]), float(row["loss"])) for row in rows]
     if points:
         create_image_artifact(_png_data_url(loss_curve(points), max_side=None), key=artifact_key(name, "loss-curve"),
                               description=f"{name}: loss over {len(points)} steps")

@@ -117,7 +117,6 @@ def cmd_resume(args, extra) -> int:
 
 
 def cmd_deploy(args, extra) -> int:
-    from flows.deployments import deploy
     from flows.orchestrate import prefect_session
     from flows.runconfig import check_overrides, run_name
     from flows.server import configured_api_url
@@ -127,8 +126,11 @@ def cmd_deploy(args, extra) -> int:
     if not (args.preprocess_pool and args.train_pool):
         raise ConfigError("deploy needs --preprocess-pool and --train-pool (work pools; see docs/orchestration.md)")
     with prefect_session(cfg, configured_api_url(), True, args.debug):
+        from flows.deployments import deploy  # imports Prefect: after prefect_session set its home
+
         pools = {"preprocess": args.preprocess_pool, "train": args.train_pool}
-        _print(deploy(ref, check_overrides(overrides), run_name(args.config, args.name), pools, args.control_pool))
+        _print(deploy(cfg, ref, check_overrides(overrides), run_name(args.config, args.name), pools,
+                      args.control_pool))
     return 0
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from diffsynth_core.errors import EnvironmentFailure
 from stages import preprocess
 from stages.config import RunConfig
-from stages.status import run_status, stage_done, summary_from_disk, work_left
+from stages.status import WorkLeft, disk_state, stage_done, summary_from_disk, work_left
 
 from ._prefect import PrefectApi, is_outage
 from .observe import failure_error, parse_failure, run_tags, stage_label
@@ -92,14 +92,6 @@ class ApiGuard:
         return result
 
 
-def disk_state(cfg: RunConfig) -> str:
-    status = run_status(cfg)
-    cache, train = status["cache"], status["train"]
-    expected = cache.get("expected")
-    return (f"cache {cache['present']}/{expected if expected is not None else '?'} entries, "
-            f"training at step {train['step']}")
-
-
 class Coordinator:
     def __init__(self, cfg: RunConfig, config: str | None, overrides: list[str], name: str,
                  stages: tuple[str, ...] = ("preprocess", "train"), parent_id=None, api_url: str = "?"):
@@ -126,16 +118,16 @@ class Coordinator:
 
     def _run_stages(self):
         """Reconcile, then preprocess parts (and finalize here), then training; returns finalize's summary."""
-        self.reconcile()
         left = work_left(self.cfg)
+        self.reconcile(left)
         final = None
-        if "preprocess" in self.stages:
+        if "preprocess" in self.stages and left.preprocess:
             self._drive([Job("preprocess", part) for part in left.parts])
-            if left.preprocess:
-                final = preprocess.finalize(self.cfg)
-                log.info("%s: cache %s complete=%s, %d bad rows skipped", self.name, final.url,
-                         final.complete, len(final.skipped))
-        if "train" in self.stages and work_left(self.cfg).train:
+            final = preprocess.finalize(self.cfg)
+            log.info("%s: cache %s complete=%s, %d bad rows skipped", self.name, final.url,
+                     final.complete, len(final.skipped))
+            left = work_left(self.cfg)  # the parts are on disk now
+        if "train" in self.stages and left.train:
             self._drive([Job("train")])
         return final
 
@@ -146,13 +138,9 @@ class Coordinator:
         return {**summary, "runs": dict(self.runs)}
 
     # -- reconciliation --------------------------------------------------------------------------
-    def reconcile(self) -> None:
+    def reconcile(self, left: WorkLeft) -> None:
         """Close or adopt the runs of this run name that an earlier coordinator left unfinished."""
-        runs = self.guard.wait(self.api.unfinished_runs, [f"run:{self.name}"])
-        if not runs:
-            return
-        left = work_left(self.cfg)
-        for run in runs:
+        for run in self.guard.wait(self.api.unfinished_runs, [f"run:{self.name}"]):
             tags = dict(tag.split(":", 1) for tag in run.tags if ":" in tag)
             stage, part = tags.get("stage"), int(tags["part"]) if "part" in tags else None
             if run.id == self.parent_id or stage not in ("preprocess", "train", "coordinate"):

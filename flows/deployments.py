@@ -24,6 +24,7 @@ from prefect import flow
 
 from stages import preprocess as preprocess_stage
 from stages import train as train_stage
+from stages.config import RunConfig
 
 from . import _prefect as api
 from .artifacts import part_table, train_report
@@ -83,15 +84,15 @@ def coordinate_flow(config: str | None = None, overrides: list[str] | None = Non
         return failure_state(exc)
 
 
-def deploy(config: str | None, overrides: list[str], name: str, pools: dict[str, str],
+def deploy(cfg: RunConfig, config: str | None, overrides: list[str], name: str, pools: dict[str, str],
            control_pool: str | None = CONTROL_POOL) -> dict:
     """Register run ``name``'s deployments on ``pools`` (stage -> pool) and the control pool.
 
+    ``cfg`` is the config ``config`` and ``overrides`` load (the caller's, not loaded again).
     Pools that do not exist are created (type process); the caller sets their limits.
     """
     from .observe import run_tags
 
-    cfg = load_run_config(config, overrides)
     parameters = {"config": config, "overrides": list(overrides), "name": name}
     plan = [(flow_of, pools[stage], {**parameters, "part": 0} if stage == "preprocess" else parameters)
             for stage, flow_of in (("preprocess", preprocess_part_flow), ("train", train_stage_flow))

@@ -8,6 +8,7 @@ The progress (rows cached, steps done) is what a Prefect user watches; the artif
 from __future__ import annotations
 
 import contextvars
+import functools
 import logging
 import threading
 from typing import Callable
@@ -76,11 +77,13 @@ def _percent(done: int, total: int) -> float:
 
 def part_heartbeat(cfg: RunConfig, name: str, part: int) -> Heartbeat:
     """Progress of one preprocess part: its rows cached or skipped, read from the cache."""
-    from stages.status import part_progress
+    from stages.status import part_keys, part_progress
 
     label = stage_label(name, "preprocess", part, cfg.preprocess.parts)
+    keys = functools.cache(lambda: part_keys(cfg, part))  # keyed once, in the beat's thread; not every beat
     return Heartbeat(artifact_key(name, "preprocess-part", part + 1, "of", cfg.preprocess.parts, "progress"),
-                     f"{label}: rows done", lambda: _percent(*part_progress(cfg, part)), cfg.orchestration.heartbeat_s)
+                     f"{label}: rows done", lambda: _percent(*part_progress(cfg, keys())),
+                     cfg.orchestration.heartbeat_s)
 
 
 def train_heartbeat(cfg: RunConfig, name: str) -> Heartbeat:

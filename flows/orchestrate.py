@@ -16,7 +16,7 @@ from pathlib import Path
 
 from diffsynth_core.errors import EnvironmentFailure
 from stages.config import ConfigError, RunConfig
-from stages.status import summary_from_disk
+from stages.status import disk_state, summary_from_disk, work_left
 
 from .runconfig import check_overrides
 from .server import ApiSession, api_healthy, configured_api_url
@@ -29,8 +29,6 @@ def orchestrate(cfg: RunConfig, ref: str | None, overrides: list[str], name: str
     What is left is decided from disk first; with nothing left (and no pools) the answer comes
     without Prefect.  Otherwise Prefect talks to ``PREFECT_API_URL`` or a private server.
     """
-    from stages.status import work_left
-
     pooled = [stage for stage in stages if pools.get(stage)]
     if pooled and len(pooled) != len(stages):
         raise ConfigError(f"give a pool for every stage this verb runs ({', '.join(stages)}) or none")
@@ -69,7 +67,6 @@ def _check_lora_targets(cfg: RunConfig, stages: tuple[str, ...]) -> None:
 def _outage_as_one_line(cfg: RunConfig, url: str):
     """The Prefect API lost under the flows (its client retried for about the grace period): say so."""
     from ._prefect import is_outage
-    from .coordinator import disk_state
 
     try:
         yield
@@ -148,5 +145,5 @@ def _on_pools(cfg, ref, overrides, name, stages, pools, url) -> dict:
     from .deployments import deploy
 
     logging.getLogger("flows").setLevel(logging.INFO)  # the coordinator's progress lines on the console
-    deploy(ref, overrides, name, {stage: pools[stage] for stage in stages}, control_pool=None)
+    deploy(cfg, ref, overrides, name, {stage: pools[stage] for stage in stages}, control_pool=None)
     return Coordinator(cfg, ref, overrides, name, stages, api_url=url).run()

@@ -33,7 +33,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from diffsynth_core.errors import EnvironmentFailure
+from diffsynth_core.errors import EnvironmentFailure, InputError
 
 PIDFILE_PREFIX = "splitflow-server-"
 STARTUP_TIMEOUT_S = 90.0
@@ -180,7 +180,7 @@ def _free_port() -> int:
 
 
 class LocalServer:
-    """A private Prefect server on 127.0.0.1 for one verb; use ``with``, or ``start`` + ``stop``."""
+    """A private Prefect server on 127.0.0.1 for one verb: ``start``, ``wait_healthy``, ``stop``."""
 
     def __init__(self, home: Path):
         self.home = Path(home)
@@ -239,12 +239,6 @@ class LocalServer:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, masked)
 
-    def __enter__(self) -> "LocalServer":
-        return self.start()
-
-    def __exit__(self, *_) -> None:
-        self.stop()
-
 
 class ApiSession:
     """The API of one verb: ``start`` (spawns our server if needed), ``ready`` (waits), ``close``.
@@ -261,8 +255,6 @@ class ApiSession:
 
     def start(self) -> "ApiSession":
         if self.url is None and self.shared:
-            from diffsynth_core.errors import InputError
-
             raise InputError("work pools need a Prefect server the workers reach too: start one "
                              "(prefect server start) and set PREFECT_API_URL (docs/orchestration.md)")
         if self.url is None:

@@ -73,6 +73,15 @@ def run_status(cfg: RunConfig) -> dict:
     return {"cache": _cache_status(cfg), "train": _train_status(cfg)}
 
 
+def disk_state(cfg: RunConfig) -> str:
+    """What is on disk, in a few words (for a message saying the work so far is kept)."""
+    status = run_status(cfg)
+    cache, train = status["cache"], status["train"]
+    expected = cache.get("expected")
+    return (f"cache {cache['present']}/{expected if expected is not None else '?'} entries, "
+            f"training at step {train['step']}")
+
+
 def summary_from_disk(cfg: RunConfig) -> dict:
     """A run's outcome as the stages' summaries name it, read from the cache and the output folder."""
     cache, train = _cache_status(cfg), _train_status(cfg)
@@ -154,9 +163,13 @@ def stage_done(cfg: RunConfig, stage: str, part: int | None = None, left: WorkLe
     return not left.preprocess and not left.train
 
 
-def part_progress(cfg: RunConfig, part: int) -> tuple[int, int]:
-    """``(rows done, rows)`` of one preprocess part: cached or recorded as skipped."""
-    keys = set(make_plan(cfg, part).keys.values())
+def part_keys(cfg: RunConfig, part: int) -> set[str]:
+    """The cache keys of one preprocess part's rows (keying reads the dataset: do it once per part)."""
+    return set(make_plan(cfg, part).keys.values())
+
+
+def part_progress(cfg: RunConfig, keys: set[str]) -> tuple[int, int]:
+    """``(rows done, rows)`` of one preprocess part (its ``part_keys``): cached or recorded as skipped."""
     store, _ = _open_existing(cfg)
     if store is None:
         return 0, len(keys)

@@ -9,22 +9,16 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
+from flows.server import _free_port, api_healthy
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def descendants(pid: int) -> list[int]:
@@ -55,7 +49,7 @@ def _kill(pids: list[int], sig: int) -> None:
 class Cluster:
     def __init__(self, root: Path):
         self.root = root
-        self.port = free_port()
+        self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}/api"
         self.env = {**os.environ, "PREFECT_HOME": str(root / "prefect-home"), "PREFECT_API_URL": self.url,
                     "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_PREFETCH_SECONDS": "1",
@@ -77,17 +71,10 @@ class Cluster:
                                         str(self.port), "--no-ui"], env=self.env, stdout=log,
                                        stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
-        while not self.healthy():
+        while not api_healthy(self.url, timeout=1.0):
             assert self.server.poll() is None, (self.root / "server.log").read_text()[-2000:]
             assert time.monotonic() < deadline, "Prefect server did not start"
             time.sleep(0.2)
-
-    def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=1):
-                return True
-        except OSError:
-            return False
 
     def stop_server(self) -> None:
         if self.server is not None and self.server.poll() is None:
