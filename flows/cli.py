@@ -99,10 +99,11 @@ def cmd_train(args, extra) -> int:
 
 
 def cmd_status(args, extra) -> int:
-    from stages.status import run_status, work_left
+    from stages.status import read_cache, run_status, work_left
 
     cfg = _config(args, extra)
-    _print({**run_status(cfg), "left": work_left(cfg).as_dict()})
+    view = read_cache(cfg)  # the dataset keyed and the cache read once for both answers
+    _print({**run_status(cfg, view), "left": work_left(cfg, view).as_dict()})
     return 0
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from diffsynth_core.errors import EnvironmentFailure
 from stages.config import ConfigError, RunConfig
-from stages.status import disk_state, summary_from_disk, work_left
+from stages.status import CacheView, disk_state, read_cache, summary_from_disk, work_left
 
 from .runconfig import check_overrides
 from .server import ApiSession, api_healthy, configured_api_url
@@ -38,9 +38,10 @@ def orchestrate(cfg: RunConfig, ref: str | None, overrides: list[str], name: str
         _check_lora_targets(cfg, stages)
         with prefect_session(cfg, url, True, debug) as session:
             return _on_pools(cfg, ref, overrides, name, stages, pools, session.url)
-    left = work_left(cfg)  # decided from disk, before Prefect is imported or a server started
+    view = read_cache(cfg)  # decided from disk, before Prefect is imported or a server started
+    left = work_left(cfg, view)
     if not (left.preprocess or ("train" in stages and left.train)):
-        return idle_summary(cfg, stages)
+        return idle_summary(cfg, stages, view)
     if left.train:
         _check_lora_targets(cfg, stages)
     with prefect_session(cfg, url, False, debug) as session:
@@ -97,9 +98,9 @@ def prefect_environment(output: Path) -> Path:
     return home
 
 
-def idle_summary(cfg: RunConfig, stages: tuple[str, ...]) -> dict:
+def idle_summary(cfg: RunConfig, stages: tuple[str, ...], view: CacheView | None = None) -> dict:
     """What a verb with nothing left to do reports: the outcome on disk, nothing encoded or trained now."""
-    summary = summary_from_disk(cfg)
+    summary = summary_from_disk(cfg, view)
     summary["preprocess"].update(encoded=0, reused=summary["preprocess"]["entries"])
     summary["train"]["resumed_from"] = summary["train"]["steps"]
     done = "the cache is complete" + (" and training finished" if "train" in stages else "")

@@ -38,6 +38,13 @@ class Plan:
     tiles: dict[int, int] = field(default_factory=dict)  # row -> VAE tile, for the rows encoded in tiles
 
 
+def part_of(dataset, row: int, parts: int) -> int:
+    """The preprocess part that encodes ``row``: a row's repeats (dataset.sources) go to the part of
+    its first occurrence, so concurrent parts never encode one entry twice."""
+    first_row = getattr(dataset, "first_row", None)
+    return (first_row(row) if first_row else row) % parts
+
+
 def make_plan(cfg: RunConfig, part: int | None = None) -> Plan:
     """Key rows by content: their fields and file bytes, the decode settings, the encoders.
 
@@ -52,9 +59,8 @@ def make_plan(cfg: RunConfig, part: int | None = None) -> Plan:
     encoding = {"max_sequence_length": cfg.preprocess.max_sequence_length, "dtype": cfg.model.dtype,
                 "encoders": identity}
     rows = range(len(dataset.records))
-    if part is not None:  # a row's repeats (dataset.sources) go to the part of its first occurrence
-        first_row = getattr(dataset, "first_row", lambda row: row)
-        rows = [row for row in rows if first_row(row) % cfg.preprocess.parts == part]
+    if part is not None:
+        rows = [row for row in rows if part_of(dataset, row, cfg.preprocess.parts) == part]
     keys, tiles = {}, {}
     for row in rows:
         files = dataset.source_files(row)
@@ -169,16 +175,12 @@ def training_keys(cfg: RunConfig) -> tuple[object, list[str]]:
     return store, found.train
 
 
-def completeness(cfg: RunConfig, store) -> dict:
-    """How complete ``store`` is for this config, in rows (what ``splitflow status`` shows).
-
-    Raises like ``check_cache`` when the cache does not fit the config's model.
-    """
-    plan = check_cache(cfg, store)
-    if plan is None:
+def completeness(store, found: Needs | None) -> dict:
+    """How complete ``store`` is for a config (``needs`` of its plan; None: an imported cache), in rows:
+    what ``splitflow status`` shows."""
+    if found is None:
         wanted, missing = store.dataset_keys() or store.keys(), store.missing_keys()
         return {"expected": len(wanted), "present": len(wanted) - len(missing), "missing": len(missing),
                 "skipped": 0, "complete": not missing}
-    found = needs(plan, store, cfg.dataset.skip_bad_samples)
     return {"expected": len(found.train) + len(found.missing), "present": len(found.train),
             "missing": len(found.missing), "skipped": len(found.skipped), "complete": found.complete}

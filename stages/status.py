@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from cache_store import CacheFormatError, open_cache
 from diffsynth_core.errors import InputError
@@ -20,7 +21,7 @@ from diffsynth_core.training.loop import planned_steps
 from diffsynth_core.training.sampler import BucketSampler
 
 from .config import RunConfig
-from .keys import check_cache, completeness, empty_prompt_key, make_plan, needs
+from .keys import Needs, Plan, check_cache, completeness, empty_prompt_key, make_plan, needs, part_of
 from .secrets import storage_options
 from .train import CachedSamples, final_exports
 
@@ -33,16 +34,38 @@ def _open_existing(cfg: RunConfig):
         return None, str(err)
 
 
-def _cache_status(cfg: RunConfig) -> dict:
-    """Whether the cache holds every row *this* config trains on (derived from the config)."""
-    unknown = {"url": cfg.cache_url, "expected": None, "present": 0, "complete": False}
+@dataclass
+class CacheView:
+    """The cache read once for a config: what every answer below is derived from (a verb that asks
+    several questions reads the dataset and the cache once, not once per question)."""
+
+    store: Any = None                # None: not written yet (``note`` says why)
+    note: str | None = None
+    plan: Plan | None = None         # None with a store: an imported cache (no rows to key)
+    found: Needs | None = None
+    error: InputError | None = None  # the cache does not fit the config, or the config's data cannot be read
+
+
+def read_cache(cfg: RunConfig) -> CacheView:
     store, note = _open_existing(cfg)
     if store is None:
-        return {**unknown, "exists": False, "note": note}
+        return CacheView(note=note)
     try:
-        return {"url": cfg.cache_url, "exists": True, **completeness(cfg, store)}
+        plan = check_cache(cfg, store)
     except InputError as err:  # other encoders, or the config's dataset/model cannot be read
-        return {**unknown, "exists": True, "note": str(err)}
+        return CacheView(store, error=err)
+    found = needs(plan, store, cfg.dataset.skip_bad_samples) if plan is not None else None
+    return CacheView(store, plan=plan, found=found)
+
+
+def _cache_status(cfg: RunConfig, view: CacheView) -> dict:
+    """Whether the cache holds every row *this* config trains on (derived from the config)."""
+    unknown = {"url": cfg.cache_url, "expected": None, "present": 0, "complete": False}
+    if view.store is None:
+        return {**unknown, "exists": False, "note": view.note}
+    if view.error is not None:
+        return {**unknown, "exists": True, "note": str(view.error)}
+    return {"url": cfg.cache_url, "exists": True, **completeness(view.store, view.found)}
 
 
 def metric_rows(cfg: RunConfig) -> list[dict]:
@@ -69,8 +92,8 @@ def _train_status(cfg: RunConfig) -> dict:
             "last_loss": float(last["loss"]) if last else None}
 
 
-def run_status(cfg: RunConfig) -> dict:
-    return {"cache": _cache_status(cfg), "train": _train_status(cfg)}
+def run_status(cfg: RunConfig, view: CacheView | None = None) -> dict:
+    return {"cache": _cache_status(cfg, view or read_cache(cfg)), "train": _train_status(cfg)}
 
 
 def disk_state(cfg: RunConfig) -> str:
@@ -82,9 +105,9 @@ def disk_state(cfg: RunConfig) -> str:
             f"training at step {train['step']}")
 
 
-def summary_from_disk(cfg: RunConfig) -> dict:
+def summary_from_disk(cfg: RunConfig, view: CacheView | None = None) -> dict:
     """A run's outcome as the stages' summaries name it, read from the cache and the output folder."""
-    cache, train = _cache_status(cfg), _train_status(cfg)
+    cache, train = _cache_status(cfg, view or read_cache(cfg)), _train_status(cfg)
     return {"preprocess": {"url": cache["url"], "complete": cache["complete"], "entries": cache["present"],
                            "expected": cache["expected"], "skipped": cache.get("skipped", 0)},
             "train": {"output": train["output"], "steps": train["step"], "final_loss": train["last_loss"],
@@ -116,31 +139,32 @@ class WorkLeft:
         return {**asdict(self), "nothing": self.nothing}
 
 
-def _rows_left(cfg: RunConfig, store) -> tuple[list[int], list[str]]:
-    """``(parts with rows to encode, keys training takes)``; raises if the cache is another model's."""
-    plan = check_cache(cfg, store)
+def _rows_left(cfg: RunConfig, view: CacheView) -> tuple[list[int], list[str]]:
+    """``(parts with rows to encode, keys training takes)`` of a cache that fits the config."""
+    store, plan = view.store, view.plan
     if plan is None:  # an imported cache: nothing to encode, train on what it records
         return [], store.dataset_keys() or store.keys()
-    found = needs(plan, store, cfg.dataset.skip_bad_samples)
-    parts = {row % cfg.preprocess.parts for row in found.missing}
+    parts = {part_of(plan.dataset, row, cfg.preprocess.parts) for row in view.found.missing}
     if not store.has(empty_prompt_key(cfg, plan.fingerprint)):
         parts.add(0)  # part 0 encodes the empty prompt (caption dropout) once per cache
-    return sorted(parts), found.train
+    return sorted(parts), view.found.train
 
 
-def work_left(cfg: RunConfig) -> WorkLeft:
+def work_left(cfg: RunConfig, view: CacheView | None = None) -> WorkLeft:
     """Which parts still need encoding and how many training steps remain (0 and exported: done).
 
     Total steps follow the loop's rule (``planned_steps``) for one process; a finished run
     trained under torchrun with ``max_steps`` unset may look unfinished here.
     """
-    store, _ = _open_existing(cfg)
-    if store is None:
+    view = view or read_cache(cfg)
+    if view.store is None:
         return WorkLeft(parts=list(range(cfg.preprocess.parts)), train_steps=1)
-    parts, keys = _rows_left(cfg, store)
+    if view.error is not None:  # another model's cache, or unreadable data: the verb reports it
+        raise view.error
+    parts, keys = _rows_left(cfg, view)
     if parts:
         return WorkLeft(parts=parts, train_steps=1)
-    total = planned_steps(cfg.train, 0 if cfg.train.max_steps else _rounds_per_epoch(cfg, store, keys))
+    total = planned_steps(cfg.train, 0 if cfg.train.max_steps else _rounds_per_epoch(cfg, view.store, keys))
     checkpoints = CheckpointManager(cfg.output_dir / "checkpoints")
     step, latest = checkpoints.latest_step(), checkpoints.latest_dir()
     exported = latest is not None and all(
