@@ -279,7 +279,7 @@ class Bench:
         keys = {"offload_encoders": True, "vram_budget_gb": self.budget, "batch_size": self.args.batch}
         result = {}
         with released_encoders(self.spec, self.variant, resident=False):
-            for devices, parts in (([f"cuda:0"], 1), ("all", count)):
+            for devices, parts in ((["cuda:0"], 1), ("all", count)):
                 cfg = self.config(f"gpus-{parts}", data, self.side, devices=devices, parts=parts, **keys)
                 for part in range(parts):  # warm-up: load every device's encoders
                     preprocess.run(self.config(f"gpus-warm-{parts}-{part}", self.root / "warm" / "metadata.csv",
