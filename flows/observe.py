@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import re
+import sys
 from contextlib import contextmanager
 
 from diffsynth_core.errors import EnvironmentFailure, InputError, classify
@@ -90,6 +91,18 @@ def forwarded_logs():
         for logger, level in zip(loggers, levels):
             logger.removeHandler(handler)
             logger.setLevel(level)
+        flush_run_logs()  # a stage run's last lines reach Prefect before its final state does
+
+
+def flush_run_logs() -> None:
+    """Send queued run logs now (Prefect batches them; a run's process may exit, or our server stop, first)."""
+    if "prefect.logging.handlers" in sys.modules:
+        from prefect.logging.handlers import APILogWorker
+
+        try:
+            APILogWorker.drain_all(timeout=5)
+        except Exception:  # noqa: BLE001 -- the server may already be gone
+            pass
 
 
 # -- failure records ---------------------------------------------------------------------------

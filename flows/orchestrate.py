@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from pathlib import Path
 
 from diffsynth_core.errors import EnvironmentFailure
@@ -115,7 +114,7 @@ def prefect_session(cfg: RunConfig, url: str | None, shared: bool, debug: bool):
         session.start()  # the server boots while Prefect and the flows are imported
         from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
-        from .observe import console
+        from .observe import console, flush_run_logs
 
         console(private_server=session.server is not None, debug=debug)
         retries = client_retries(cfg.orchestration.api_grace_s)  # an outage is waited out for the grace period
@@ -123,20 +122,9 @@ def prefect_session(cfg: RunConfig, url: str | None, shared: bool, debug: bool):
             try:
                 yield session
             finally:
-                _flush_run_logs()
+                flush_run_logs()
     finally:
         session.close()
-
-
-def _flush_run_logs() -> None:
-    """Send queued run logs before our server stops (else they fail at interpreter exit)."""
-    if "prefect.logging.handlers" in sys.modules:
-        from prefect.logging.handlers import APILogWorker
-
-        try:
-            APILogWorker.drain_all(timeout=5)
-        except Exception:  # noqa: BLE001 -- the server may already be gone
-            pass
 
 
 def _on_pools(cfg, ref, overrides, name, stages, pools, url) -> dict:
