@@ -77,6 +77,10 @@ def _worker(rank, init_file, out_dir):
             json.dump(info, handle)
     finally:
         dist.destroy_process_group()
+    # Every result is on disk: skip the interpreter's teardown, where gloo ranks that ran the offload
+    # engine abort now and then ("terminate called without an active exception", about 1 run in 6,
+    # also before this change's work); a failure above still propagates to mp.spawn.
+    os._exit(0)
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
