@@ -124,7 +124,7 @@ def qwen_worker(a) -> dict:
     train = TrainSection(lora_rank=32, max_steps=a.steps, save_steps=a.save_steps, seed=0, gradient_checkpointing=True,
                          device=a.device, deterministic=a.deterministic, gradient_checkpointing_offload=a.act_offload)
     offload = OffloadSection(enable_model_cpu_offload=a.offload, vram_budget_gb=a.budget_gib,
-                             storage_dtype=a.storage or None)
+                             storage_dtype=a.storage or None, prefetch=a.prefetch)
     stamps: list[float] = []
 
     def clock(step, _model):
@@ -142,7 +142,8 @@ def qwen_worker(a) -> dict:
            "resumed_from": result.resumed_from}
     if result.offload is not None:
         rep = result.offload.report()
-        out.update({k: rep[k] for k in ("budget_units", "streamed_units", "stalls", "pinned")},
+        out.update({k: rep[k] for k in ("budget_units", "compact_units", "streamed_units", "stalls", "pinned",
+                                          "device_widenings", "h2d_copies")},
                    arena_gb=rep["arena_bytes"] / GB, planned_h2d_gb_per_step=(rep["planned_h2d_bytes_per_step"] or 0) / GB,
                    h2d_gb_per_step=rep["last_step_h2d_bytes"] / GB, planned_peak_gb=(rep["planned_peak_bytes"] or 0) / GB,
                    budget_gb=(rep["budget_bytes"] or 0) / GB)
@@ -160,10 +161,11 @@ def qwen_rows(a, rows: dict[str, list[str]], timeout: int) -> dict:
 
 def case_qwen20b(a) -> dict:
     layers, px = ("4", "64") if a.quick else ("60", "1024")
-    common = ["--layers", layers, "--height", px, "--steps", "8", "--warmup", "3"]
+    common = ["--layers", layers, "--height", px, "--steps", "12", "--warmup", "3"]
     fp8_16 = [*common, "--offload", "--budget-gib", f"{16e9 / GIB:.3f}", "--storage", "float8_e4m3fn"]
     rows = {"resident": common, "budget_24gb": [*common, "--offload", "--budget-gib", f"{24e9 / GIB:.3f}"],
-            "fp8_budget_16gb": fp8_16, "fp8_budget_16gb_act": [*fp8_16, "--act-offload"]}
+            "fp8_budget_16gb": fp8_16, "fp8_budget_16gb_act": [*fp8_16, "--act-offload"],
+            "fp8_budget_16gb_prefetch2": [*fp8_16, "--prefetch", "2"]}
     res = qwen_rows(a, {k: v for k, v in rows.items() if k == "resident" or k in a.qwen_rows.split(",")}, 420)
     resident = res["resident"].get("step_s")
     for name, row in res.items():
@@ -410,7 +412,8 @@ def main() -> None:
     ap.add_argument("--out-dir", default="")
     ap.add_argument("--lora-file", default="")
     ap.add_argument("--qwen-rows", default="budget_24gb,fp8_budget_16gb",
-                    help="qwen20b rows beside resident; also fp8_budget_16gb_act (block inputs offloaded)")
+                    help="qwen20b rows beside resident; also fp8_budget_16gb_act (block inputs offloaded), "
+                         "fp8_budget_16gb_prefetch2 (three slots)")
     for flag in ("--offload", "--deterministic", "--keep-lora", "--act-offload"):
         ap.add_argument(flag, action="store_true")
     a = ap.parse_args()

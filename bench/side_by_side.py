@@ -74,7 +74,8 @@ def run_worker(args) -> dict:
     if mgr is not None:
         rep = mgr.report()
         out.update(h2d_gb_per_step=rep["last_step_h2d_bytes"] / 1e9, units=rep["units"],
-                   resident_units=rep["budget_units"], stalls=rep["stalls"], pinned=rep["pinned"],
+                   resident_units=rep["budget_units"], compact_units=rep["compact_units"], stalls=rep["stalls"],
+                   pinned=rep["pinned"],
                    planned_h2d_gb_per_step=(rep["planned_h2d_bytes_per_step"] or 0) / 1e9 or None,
                    budget_gib=(rep["budget_bytes"] or 0) / GIB or None,
                    unit_gib=max(u.dev_bytes for u in mgr.plan.units) / GIB)

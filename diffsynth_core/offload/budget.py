@@ -13,14 +13,18 @@ step records every use of every unit (forward, recompute, backward) and a replay
 the slots keep across the forward->backward turn (and, for frozen weights, across the
 backward->forward turn into the next step).  Units are taken by bytes saved per device byte, and
 among equals spread evenly over the execution order, so the copies of the streamed ones overlap
-the compute of the resident ones between them.  The same replay, run on the final plan, gives the
-planned bytes per step that ``report()`` sets beside the measured ones.
+the compute of the resident ones between them.  A unit stored in another dtype (fp8) is kept on
+the device *as stored* ("compact": half the bytes of bf16 for the same bytes saved) and widened
+into a slot at each use like a streamed one, without crossing PCIe; only when every unit fits
+that way does the rest of the budget keep some of them widened (no widening, no slot).  The same
+replay, run on the final plan, gives the planned bytes per step that ``report()`` sets beside the
+measured ones.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -90,9 +94,16 @@ def forward_order(uses: list[int]) -> list[int]:
 
 @dataclass
 class ByteBudget:
-    resident: list[Unit]  # kept on the device, in execution order
+    resident: list[Unit]  # kept on the device in the compute dtype, in execution order
     planned_bytes: int  # host->device bytes per step once planned
     streamed_bytes: int  # the same with every unit streamed (what residency saves from)
+    compact: list[Unit] = field(default_factory=list)  # kept on the device as stored (fp8), widened per use
+
+
+def device_cost(u: Unit) -> int:
+    """Device bytes a unit takes to keep: a unit stored in another dtype (fp8) is kept as stored
+    (half the bytes of bf16) and widened into a slot at each use, like a streamed one."""
+    return u.host_bytes if u.casts else u.dev_bytes
 
 
 def plan_residency(units: list[Unit], uses: list[int], n_slots: int, room: int) -> ByteBudget:
@@ -105,37 +116,45 @@ def plan_residency(units: list[Unit], uses: list[int], n_slots: int, room: int) 
     keep_across = {u.index for u in candidates}
     loads = simulate_loads(uses, order, n_slots, keep_across)
 
-    def saving(u: Unit) -> float:  # copied bytes saved per device byte spent
-        return round(loads[u.index] * u.host_bytes / u.dev_bytes, 3)
+    def value(u: Unit) -> tuple[float, bool]:  # copied bytes saved per device byte; no widening wins ties
+        return round(loads[u.index] * u.host_bytes / device_cost(u), 3), not u.casts
 
     chosen: list[Unit] = []
-    for value in sorted({saving(u) for u in candidates}, reverse=True):
-        if value <= 0:
+    for v in sorted({value(u) for u in candidates}, reverse=True):
+        if v[0] <= 0:
             break
-        group = sorted((u for u in candidates if saving(u) == value), key=lambda u: position[u.index])
-        picked = _evenly_spaced(group, room)
-        room -= sum(u.dev_bytes for u in picked)
+        group = sorted((u for u in candidates if value(u) == v), key=lambda u: position[u.index])
+        picked = _evenly_spaced(group, room, device_cost)
+        room -= sum(device_cost(u) for u in picked)
         chosen.extend(picked)
-    chosen.sort(key=lambda u: position[u.index])
-    kept = {u.index for u in chosen}
-    streamed = [i for i in order if i not in kept]
+    compact = [u for u in chosen if u.casts]
+    if len(chosen) == len(candidates) and compact:  # every unit fits as stored: widen what still fits
+        widened = _evenly_spaced(sorted(compact, key=lambda u: position[u.index]), room,
+                                 lambda u: u.dev_bytes - u.host_bytes)
+        compact = [u for u in compact if u not in widened]
+    resident = sorted((u for u in chosen if u not in compact), key=lambda u: position[u.index])
+    compact.sort(key=lambda u: position[u.index])
+    kept = {u.index for u in resident}
+    streamed = [i for i in order if i not in kept]  # compact units still pass through the slots
     after = simulate_loads(uses, streamed, n_slots, keep_across)
-    return ByteBudget(chosen, sum(n * by_index[i].host_bytes for i, n in after.items()),
-                      sum(n * by_index[i].host_bytes for i, n in loads.items()))
+    on_device = {u.index for u in compact}  # widened from their device copy: nothing crosses PCIe
+    return ByteBudget(resident, sum(n * by_index[i].host_bytes for i, n in after.items() if i not in on_device),
+                      sum(n * by_index[i].host_bytes for i, n in loads.items()), compact)
 
 
 def static_residency(units: list[Unit], room: int) -> list[Unit]:
     """``resident_gb``: frozen units that fit in ``room`` bytes, evenly spaced over the registration
     order, chosen at attach without measuring (for callers that plan their device memory themselves)."""
-    return _evenly_spaced([u for u in units if not any(r.trainable for r in u.tensors)], room)
+    return _evenly_spaced([u for u in units if not any(r.trainable for r in u.tensors)], room,
+                          lambda u: u.dev_bytes)
 
 
-def _evenly_spaced(group: list[Unit], room: int) -> list[Unit]:
-    """The largest evenly spaced subset of ``group`` (midpoints of k equal stretches) that fits."""
+def _evenly_spaced(group: list[Unit], room: int, cost) -> list[Unit]:
+    """The largest evenly spaced subset of ``group`` (midpoints of k equal stretches) whose ``cost`` fits."""
     n = len(group)
     for k in range(n, 0, -1):
         picks = [group[(2 * i + 1) * n // (2 * k)] for i in range(k)]
-        if sum(u.dev_bytes for u in picks) <= room:
+        if sum(cost(u) for u in picks) <= room:
             return picks
     return []
 

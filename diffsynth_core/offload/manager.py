@@ -252,11 +252,11 @@ class OffloadTrainingManager:
         room = self.budget.room()
         plan = plan_residency(self.plan.units, self._uses, len(self.streamer.slots), room)
         self.streamer.evict_all()
-        self.plan.set_budget(plan.resident, self.streamer)
+        self.plan.set_budget(plan.resident, self.streamer, plan.compact)
         self._streamed_ids = {u.index for u in self.plan.streamed}
         self.streamer.rehome([i for i in dict.fromkeys(self._uses) if i in self._streamed_ids])
         self._order, self._order_seen = [], set()
-        self.budget.planned_peak += sum(u.dev_bytes for u in plan.resident)
+        self.budget.planned_peak += sum(u.dev_bytes for u in plan.resident) + sum(u.host_bytes for u in plan.compact)
         self._drop_hooks(plan.resident)
         self.stats["planned_h2d_bytes_per_step"] = plan.planned_bytes
         self._uses = None
@@ -369,12 +369,13 @@ class OffloadTrainingManager:
         """Sizes and traffic, for logs and tests."""
         budget = self.budget
         return {"units": len(self.plan.units), "streamed_units": len(self.plan.streamed),
-                "budget_units": len(self.plan.budget),
+                "budget_units": len(self.plan.budget), "compact_units": len(self.plan.compact),
                 "streamed_bytes": sum(u.host_bytes for u in self.plan.streamed),
                 "arena_bytes": self.arena.nbytes, "pinned": self.arena.pinned,
                 "arena_shared": isinstance(self.arena, SharedHostArena),
                 "slots": len(self.streamer.slots) if self.streamer else 0,
                 "h2d_copies": self.streamer.copies if self.streamer else 0,
+                "device_widenings": self.streamer.widenings if self.streamer else 0,
                 "h2d_bytes": self.streamer.bytes if self.streamer else 0,
                 "stalls": self.streamer.stalls if self.streamer else 0,
                 "d2h_grad_bytes": self.grad_sink.d2h_bytes if self.grad_sink else 0,

@@ -25,6 +25,7 @@ class Plan:
     units: list[Unit]  # every unit, execution-order guess (registration order)
     streamed: list[Unit]  # units that go through the slots
     budget: list[Unit]  # units kept on the device (chosen by the budget planner)
+    compact: list[Unit] = field(default_factory=list)  # kept on the device as stored (fp8); still in ``streamed``
     resident_params: list[tuple[nn.Parameter, torch.device]] = field(default_factory=list)
     buffers: list[tuple[nn.Module, str, torch.device]] = field(default_factory=list)
     host_trainable: list[nn.Parameter] = field(default_factory=list)  # optimizer offload
@@ -71,9 +72,10 @@ class Plan:
                 rec.param.data = master
 
     # --- device copies kept for good (budget) --------------------------------------------------
-    def set_budget(self, keep: list[Unit], streamer) -> None:
-        """Units in ``keep`` live on the device from now on; the others stream.  Call with nothing
-        loaded in the slots."""
+    def set_budget(self, keep: list[Unit], streamer, compact: list[Unit] = ()) -> None:
+        """Units in ``keep`` live on the device from now on (widened); those in ``compact`` too, as
+        stored, widened into a slot at each use; the others stream.  Call with nothing loaded in
+        the slots."""
         wanted = {u.index for u in keep}
         for unit in self.budget:
             if unit.index not in wanted:
@@ -84,8 +86,9 @@ class Plan:
                 buf = torch.empty(unit.dev_bytes, dtype=torch.uint8, device=self.device)
                 streamer.copy_to(unit, buf)
                 self.budget_bufs[unit.index] = buf
+        streamer.keep_as_stored(compact)
         streamer.settle()
-        self.budget = list(keep)
+        self.budget, self.compact = list(keep), list(compact)
         self.streamed = [u for u in self.units if u.index not in wanted]
 
     # --- detach ----------------------------------------------------------------------------------

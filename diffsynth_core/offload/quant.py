@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from . import widen_cuda
+
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
@@ -33,7 +35,10 @@ def quantize_rows(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
 
 def dequantize_rows(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """``q * scales`` per row, in ``dtype`` (into ``out`` when given); exact, see the module doc."""
+    """``q * scales`` per row, in ``dtype`` (into ``out`` when given); exact, see the module doc.
+    On CUDA one Triton kernel does it in a single pass (``widen_cuda``), with the same result."""
     out = torch.empty(q.shape, dtype=dtype, device=q.device) if out is None else out
+    if widen_cuda.available(q, out):
+        return widen_cuda.widen_rows(q, scales, out)
     out.copy_(q)
     return out.mul_(scales.view(-1, *([1] * (q.dim() - 1))))

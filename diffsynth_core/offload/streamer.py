@@ -63,7 +63,10 @@ class Streamer:
         self.slots = [Slot(i, torch.empty(size, dtype=torch.uint8, device=device))
                       for i in range(n_slots if units else 0)]
         self.home = {u.index: i % max(len(self.slots), 1) for i, u in enumerate(units)}
-        self.copies = 0
+        # Units kept on the device as stored (fp8, chosen by the budget): widened from there.
+        self.stored: dict[int, torch.Tensor] = {}
+        self.copies = 0  # host->device copies
+        self.widenings = 0  # loads widened from a device copy (no host->device copy)
         self.stalls = 0  # uses that found their copy still in flight (telemetry, CUDA only)
         self.bytes = 0
 
@@ -100,13 +103,19 @@ class Streamer:
             rec.param.data = view
         slot.occupant = unit
         self.slot_of[unit.index] = slot
-        self.copies += 1
-        self.bytes += unit.host_bytes
+        if unit.index in self.stored:
+            self.widenings += 1
+        else:
+            self.copies += 1
+            self.bytes += unit.host_bytes
 
     def _copy(self, unit: Unit, buf: torch.Tensor, views: list[torch.Tensor], after=()):
         """Land ``unit`` in ``buf`` once the events ``after`` (what last used it) have passed;
         returns the event that says it has landed (CUDA; ``None`` on a CPU target, where copies
         are synchronous)."""
+        stored = self.stored.get(unit.index)
+        if stored is not None:  # kept on the device as stored: only the widening runs
+            return self._widen_on_device(unit, stored, views, after)
         src = self.arena.region(unit.host_offset, unit.host_bytes)
         if not self.cuda:
             if unit.casts:
@@ -136,6 +145,37 @@ class Streamer:
             self._widen(unit, stage, views)
             self.stage_free[i] = done = self.widen_stream.record_event()
         return done
+
+    def _widen_on_device(self, unit: Unit, stored: torch.Tensor, views: list[torch.Tensor], after):
+        if not self.cuda:
+            self._widen(unit, stored, views)
+            return None
+        with torch.cuda.stream(self.widen_stream):
+            for event in after:
+                self.widen_stream.wait_event(event)
+            self._widen(unit, stored, views)
+            return self.widen_stream.record_event()
+
+    def keep_as_stored(self, units: list[Unit]) -> None:
+        """Keep a device copy of each of ``units`` in its storage layout (fp8 codes and scales),
+        dropping the copies of units no longer listed; loads of these widen from there."""
+        wanted = {u.index for u in units}
+        for i in [i for i in self.stored if i not in wanted]:
+            buf = self.stored.pop(i)
+            if self.cuda:  # widenings still queued may read it
+                buf.record_stream(self.widen_stream)
+        for unit in units:
+            if unit.index not in self.stored:
+                buf = torch.empty(unit.host_bytes, dtype=torch.uint8, device=self.device)
+                src = self.arena.region(unit.host_offset, unit.host_bytes)
+                if self.cuda:
+                    with torch.cuda.stream(self.copy_stream):
+                        buf.copy_(src, non_blocking=True)
+                else:
+                    buf.copy_(src)
+                self.stored[unit.index] = buf
+        if self.cuda and units:  # widenings from these copies wait for them to land
+            self.widen_stream.wait_stream(self.copy_stream)
 
     @staticmethod
     def _widen(unit: Unit, stage: torch.Tensor, views: list[torch.Tensor]) -> None:

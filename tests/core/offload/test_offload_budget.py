@@ -14,11 +14,12 @@ from offload_tiny import ToyStack, add_lora
 
 
 def _units(sizes: list[tuple[int, int]]) -> list[Unit]:
-    """Frozen units with (host bytes, device bytes) each."""
+    """Frozen units with (host bytes, device bytes) each; fewer host bytes: stored in fp8."""
     units = []
     for i, (host, dev) in enumerate(sizes):
         p = nn.Parameter(torch.empty(1), requires_grad=False)
-        unit = Unit(i, f"blocks.{i}", nn.Identity(), [TensorRecord(p, p.shape, p.dtype, p.device, p.dtype, p.dtype)])
+        store = torch.float8_e4m3fn if host < dev else p.dtype
+        unit = Unit(i, f"blocks.{i}", nn.Identity(), [TensorRecord(p, p.shape, p.dtype, p.device, store, p.dtype)])
         unit.host_bytes, unit.dev_bytes = host, dev
         units.append(unit)
     return units
@@ -41,12 +42,23 @@ def test_units_that_save_most_copied_bytes_stay_spread_evenly():
     assert plan.planned_bytes == 100 * sum(loads.values()) == plan.streamed_bytes - 3 * 2 * 100
 
 
-def test_fp8_stored_units_save_half_as_many_bytes_per_device_byte():
-    # Units 2..5 alternate bf16 storage (host = device bytes) and fp8 storage (host = half): keeping
-    # an fp8 unit resident costs as much device memory but saves half the copied bytes.
-    units = _units([(100, 100), (100, 100), (100, 100), (50, 100), (100, 100), (50, 100), (100, 100), (100, 100)])
-    plan = plan_residency(units, _step_uses(8), n_slots=2, room=200)
-    assert [u.index for u in plan.resident] == [2, 4]
+def test_fp8_stored_units_are_kept_as_stored_and_widened_only_when_all_fit():
+    # fp8 storage: host bytes are half the device bytes.  Kept as stored ("compact") a unit saves
+    # its copies for half the device bytes of a widened one, so twice as many fit.
+    fp8 = _units([(50, 100)] * 8)
+    plan = plan_residency(fp8, _step_uses(8), n_slots=2, room=200)
+    assert plan.resident == [] and [u.index for u in plan.compact] == [2, 3, 4, 5]
+    # Compact units still go through the slots (widened there) but copy nothing from the host.
+    loads = simulate_loads(_step_uses(8), list(range(8)), 2, set(range(8)))
+    assert plan.planned_bytes == 50 * sum(n for i, n in loads.items() if i not in (2, 3, 4, 5))
+    # Room for every unit as stored and two more widenings' worth: two evenly spaced are widened.
+    plan = plan_residency(fp8, _step_uses(8), n_slots=2, room=8 * 50 + 2 * 50)
+    assert [u.index for u in plan.resident] == [2, 6] and len(plan.compact) == 6
+    assert plan.planned_bytes == 0
+    # Equal bytes saved per device byte: the unit that needs no widening wins.
+    mixed = _units([(100, 100), (100, 100), (100, 100), (50, 100), (100, 100), (50, 100), (100, 100), (100, 100)])
+    plan = plan_residency(mixed, _step_uses(8), n_slots=2, room=200)
+    assert [u.index for u in plan.resident] == [2, 4] and plan.compact == []
 
 
 def test_budget_that_cannot_hold_the_slots_fails_at_attach_naming_the_key():
@@ -58,3 +70,34 @@ def test_budget_that_cannot_hold_the_slots_fails_at_attach_naming_the_key():
     with pytest.raises(InputError, match="vram_budget_gb"):
         OffloadTrainingManager(model, "cpu", vram_budget_gb=-1)
     assert not hasattr(model, "_splitflow_offload_manager")  # nothing was attached
+
+
+def test_fp8_units_kept_as_stored_train_bitwise_like_streamed_ones_and_copy_less():
+    from diffsynth_core.gradient import apply_gradient_checkpointing
+    from offload_tiny import budget_for, train
+
+    runs, copied = [], []
+    for budget in (False, True):
+        torch.manual_seed(0)
+        model = add_lora(ToyStack(d=64, n=6), ["up", "down"])
+        apply_gradient_checkpointing(model, ("blocks",))
+        opts = dict(storage_dtype=torch.float8_e4m3fn, trainable_dtype=torch.float32)
+        if budget:  # room for three blocks as stored (fp8 codes + scales), not for one widened block more
+            stored = OffloadTrainingManager(model, "cpu", **opts)
+            unit_host = stored.plan.units[0].host_bytes
+            stored.detach()
+            opts["vram_budget_gb"] = budget_for(model, 3.5 * unit_host, **opts)
+        mgr = OffloadTrainingManager(model, "cpu", poison_evicted=True, **opts)
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+        runs.append(train(model, 4, lambda s, m: model(x + s).pow(2).mean(), mgr))
+        rep = mgr.report()
+        if budget:
+            assert rep["compact_units"] == 3 and rep["budget_units"] == 0
+            assert rep["device_widenings"] > 0
+            assert rep["planned_h2d_bytes_per_step"] == rep["last_step_h2d_bytes"]
+        copied.append(rep["last_step_h2d_bytes"])
+        mgr.detach()
+    assert copied[1] < copied[0]
+    (la, ga), (lb, gb) = runs
+    assert all(torch.equal(a, b) for a, b in zip(la, lb))
+    assert all(torch.equal(a, b) for sa, sb in zip(ga, gb) for a, b in zip(sa, sb))

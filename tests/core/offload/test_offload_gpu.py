@@ -135,6 +135,25 @@ def test_fp8_storage_on_cuda():
     mgr.detach()
 
 
+@pytest.mark.parametrize("store", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_triton_widening_equals_the_eager_one_bit_for_bit(store, dtype):
+    from diffsynth_core.offload import widen_cuda
+    torch.manual_seed(0)
+    for shape in [(257, 3000), (64, 3, 3, 5), (1, 1), (5000, 7)]:  # ragged columns, conv-like, tiny, narrow
+        w = torch.randn(shape, device=CUDA) * torch.logspace(-8, 2, shape[0], device=CUDA).view(-1, *[1] * (len(shape) - 1))
+        w.view(shape[0], -1)[:, 0] = 0.0  # zeros stay zeros
+        q, scales = quantize_rows(w, store)
+        assert widen_cuda.available(q, torch.empty(shape, dtype=dtype, device=CUDA))
+        fast = widen_cuda.widen_rows(q, scales, torch.empty(shape, dtype=dtype, device=CUDA))
+        eager = torch.empty(shape, dtype=dtype, device=CUDA).copy_(q).mul_(scales.view(-1, *[1] * (len(shape) - 1)))
+        assert torch.equal(_bits(fast), _bits(eager))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
 def test_budget_keeps_the_peak_under_it_and_plans_the_bytes_it_copies():
     torch.manual_seed(0)
     model = add_lora(ToyStack(d=1024, n=12).to(torch.bfloat16), ["up", "down"])
