@@ -135,7 +135,10 @@ def write_config(workdir: Path, meta: Path, steps: int, pixels: int, quick: bool
 
 # --- running and sampling ----------------------------------------------------------------------------
 class Sampler:
-    """Peak resident set of a process and of its whole tree every 0.2 s; NVML GPU memory (bench.offload)."""
+    """Peak resident set of a process and of its whole tree every 0.2 s, and the process's peak
+    anonymous memory (``RssAnon + RssShmem``: what the kernel cannot drop under pressure, unlike
+    the pages of the mapped safetensors files that the resident set also counts); NVML GPU memory
+    (bench.offload)."""
 
     def __init__(self, pid: int):
         import psutil
@@ -143,7 +146,7 @@ class Sampler:
         from bench.offload import PeakSampler
 
         self.proc, self.psutil = psutil.Process(pid), psutil
-        self.rss = self.tree = 0
+        self.rss = self.tree = self.anon = self.file = 0
         self.gpu = PeakSampler()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -154,15 +157,28 @@ class Sampler:
             try:
                 rss = self.proc.memory_info().rss
                 tree = rss + sum(c.memory_info().rss for c in self.proc.children(recursive=True))
-            except self.psutil.Error:
+                anon, file = _status_bytes(self.proc.pid)
+            except (self.psutil.Error, OSError):
                 continue
             self.rss, self.tree = max(self.rss, rss), max(self.tree, tree)
+            self.anon, self.file = max(self.anon, anon), max(self.file, file)
 
     def stop(self) -> dict:
         self._stop.set()
         self._thread.join()
         return {"host_peak_gb": self.rss / GB, "host_tree_peak_gb": self.tree / GB,
+                "host_anon_peak_gb": self.anon / GB, "host_file_mapped_peak_gb": self.file / GB,
                 "gpu_peak_nvml_gb": self.gpu.stop()}
+
+
+def _status_bytes(pid: int) -> tuple[int, int]:
+    """(anonymous + shared-memory, file-backed) resident bytes from /proc/PID/status."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("RssAnon", "RssFile", "RssShmem"):
+            fields[key] = int(value.split()[0]) * 1024
+    return fields.get("RssAnon", 0) + fields.get("RssShmem", 0), fields.get("RssFile", 0)
 
 
 def run_splitflow(config: Path, extra: list[str]) -> tuple[dict, dict, float]:
@@ -194,6 +210,7 @@ def summarise(result: dict, peaks: dict, wall: float, workdir: Path, dit_bytes: 
         "s_per_step": statistics.median(step_times[1:]), "s_per_step_all": step_times,
         "gpu_peak_torch_gb": (report.get("gpu_peak_bytes") or 0) / GB, **peaks,
         "dit_gb": dit_bytes / GB, "host_peak_over_dit": peaks["host_peak_gb"] / (dit_bytes / GB),
+        "host_anon_peak_over_dit": peaks["host_anon_peak_gb"] / (dit_bytes / GB),
         "h2d_gb_per_step": report["last_step_h2d_bytes"] / GB,
         "planned_h2d_gb_per_step": (report.get("planned_h2d_bytes_per_step") or 0) / GB,
         "resident_units": report["budget_units"], "units": report["units"], "exports": train["exports"],

@@ -29,7 +29,7 @@ peak)
   timeout 150 python3 -m bench.side_by_side --musubi-file "$2" --out "$OUT/side_by_side_h200.json" \
     --rows "${ROWS:-streamed,fp8_streamed,streamed_act,budget_12_of_24_act}" > /dev/null
   if [ "$(left)" -ge 110 ]; then  # resident + fp8 under 16 GB, ~50 s a row
-    timeout "$(left)" python3 -m bench.offload --cases qwen20b --qwen-rows "${QWEN_ROWS:-fp8_budget_16gb}" \
+    timeout "$(left)" python3 -m bench.offload --cases widen,qwen20b --qwen-rows "${QWEN_ROWS:-fp8_budget_16gb}" \
       --out "$OUT/offload_h200.json" > /dev/null
   fi
   ;;

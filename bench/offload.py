@@ -22,6 +22,11 @@ allocator, pinned memory or RNG state, and ratios are taken between rows of one 
   intra-op threads, and while host<->device copies run).  20 steps after 3 of warm-up, every queued
   host step and GPU kernel drained at the end of the timed period.
 
+* ``widen``: widening one real-width Qwen-Image block's weights (340 M, fp8 with per-row scales)
+  to bf16 on the GPU: PyTorch's eager two passes against the one-pass Triton kernel the engine
+  uses (``widen_cuda``), and whether they agree bit for bit; a plain bf16 copy of the same size
+  for scale.
+
 The LoRA stack side by side with musubi-tuner is ``bench/side_by_side.py``.
 """
 
@@ -217,6 +222,41 @@ def case_determinism(a) -> dict:
         row.pop("losses", None)
     if all(r.get("step_s") for r in res["cost"].values()):
         res["cost"]["slowdown"] = res["cost"]["deterministic"]["step_s"] / res["cost"]["plain"]["step_s"]
+    return res
+
+
+def case_widen(a) -> dict:
+    from diffsynth_core.offload import widen_cuda
+    from diffsynth_core.offload.quant import quantize_rows
+
+    dev = torch.device(a.device)
+    rows, cols = (64, 128) if a.quick else (12288, 27648)  # 340 M weights: one Qwen-Image block
+    q, scales = quantize_rows(torch.randn(rows, cols, device=dev) * 0.02, torch.float8_e4m3fn)
+    out, eager = (torch.empty(rows, cols, dtype=torch.bfloat16, device=dev) for _ in range(2))
+
+    def eager_widen():
+        eager.copy_(q).mul_(scales.view(-1, 1))
+
+    def ms(fn, n: int = 20) -> float:
+        fn()
+        if dev.type != "cuda":
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            return (time.perf_counter() - t0) / n * 1e3
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / n
+    res = {"weights": rows * cols, "eager_ms": ms(eager_widen), "bf16_copy_ms": ms(lambda: out.copy_(eager))}
+    if widen_cuda.available(q, out):
+        res["triton_ms"] = ms(lambda: widen_cuda.widen_rows(q, scales, out))
+        res["bitwise_equal"] = bool(torch.equal(out.view(torch.int16), eager.view(torch.int16)))
+        res["speedup"] = res["eager_ms"] / res["triton_ms"]
     return res
 
 
@@ -429,7 +469,8 @@ def main() -> None:
         return
     DEVICE[:] = ["--device", a.device]
     QUICK[:] = ["--quick"] if a.quick else []
-    cases = {"optim": case_optim, "qwen20b": case_qwen20b, "fp8_loss": case_fp8_loss, "determinism": case_determinism}
+    cases = {"optim": case_optim, "qwen20b": case_qwen20b, "fp8_loss": case_fp8_loss, "determinism": case_determinism,
+             "widen": case_widen}
     out = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__}
     for name in a.cases.split(","):
         t0 = time.perf_counter()
