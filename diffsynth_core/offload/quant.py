@@ -38,7 +38,7 @@ def dequantize_rows(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
     """``q * scales`` per row, in ``dtype`` (into ``out`` when given); exact, see the module doc.
     On CUDA one Triton kernel does it in a single pass (``widen_cuda``), with the same result."""
     out = torch.empty(q.shape, dtype=dtype, device=q.device) if out is None else out
-    if widen_cuda.available(q, out):
-        return widen_cuda.widen_rows(q, scales, out)
+    if widen_cuda.widen_rows(q, scales, out):
+        return out
     out.copy_(q)
     return out.mul_(scales.view(-1, *([1] * (q.dim() - 1))))
