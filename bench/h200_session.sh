@@ -5,6 +5,7 @@
 #   bench/h200_session.sh e2e                   # splitflow run, full-depth Qwen-Image folder
 #   bench/h200_session.sh peak MUSUBI_FILE       # issue-12 peaks: GPU tests, stack rows (+ offloaded
 #                                                # block inputs), Qwen-Image 20B fp8 under 16 GB
+#                                                # (PROFILE_STEP=6: where each row's step 7 waits)
 # MUSUBI_FILE is musubi-tuner's src/musubi_tuner/modules/custom_offloading_utils.py (not shipped here).
 # JSON lands in $OUT (default ./h200-out); each step has its own time limit inside one overall deadline.
 set -u
@@ -30,6 +31,7 @@ peak)
     --rows "${ROWS:-streamed,fp8_streamed,streamed_act,budget_12_of_24_act}" > /dev/null
   if [ "$(left)" -ge 110 ]; then  # resident + fp8 under 16 GB, ~50 s a row
     timeout "$(left)" python3 -m bench.offload --cases widen,qwen20b --qwen-rows "${QWEN_ROWS:-fp8_budget_16gb}" \
+      --profile-step "${PROFILE_STEP:-0}" \
       --out "$OUT/offload_h200.json" > /dev/null
   fi
   ;;

@@ -11,6 +11,8 @@ allocator, pinned memory or RNG state, and ratios are taken between rows of one 
   24 GB budget; fp8 storage under a 16 GB budget (``--qwen-rows`` picks the rows; ``_act``: with the
   checkpointed block inputs in host memory too, ``train.gradient_checkpointing_offload``).  s/step (median), GPU peak (torch and NVML), host
   RAM peak (VmHWM) against the DiT's bytes, planned vs measured host->device bytes per step.
+  ``--profile-step K`` adds, per row, how long each CUDA stream was busy in step K + 1 and its
+  costliest kernels (the compute stream's idle time is what the step waited for).
 * ``fp8_loss``: the same model at real width but 8 blocks, 100 steps with bf16 storage and with fp8
   storage, same samples and noise: the loss difference.
 * ``determinism``: ``train.deterministic`` on CUDA, 4 real-width blocks at 512²: two runs, and a
@@ -131,11 +133,13 @@ def qwen_worker(a) -> dict:
     offload = OffloadSection(enable_model_cpu_offload=a.offload, vram_budget_gb=a.budget_gib,
                              storage_dtype=a.storage or None, prefetch=a.prefetch)
     stamps: list[float] = []
+    profiler = StepProfiler(a.profile_step)
 
     def clock(step, _model):
         if cuda:
             torch.cuda.synchronize()
         stamps.append(time.perf_counter())
+        profiler.after_step(len(stamps))
     out_dir = a.out_dir or tempfile.mkdtemp()
     trainer = Trainer(spec, model, samples, train, offload, out_dir, device=device, progress=False, callbacks=[clock])
     t0 = time.perf_counter()
@@ -153,11 +157,65 @@ def qwen_worker(a) -> dict:
                    h2d_gb_per_step=rep["last_step_h2d_bytes"] / GB, planned_peak_gb=(rep["planned_peak_bytes"] or 0) / GB,
                    budget_gb=(rep["budget_bytes"] or 0) / GB)
         result.offload.detach(restore_frozen=False)  # what the LoRA export does
+    if profiler.summary is not None:
+        out["profile"] = profiler.summary
     out["lora"] = {k: v.detach().float().cpu() for k, v in result.model.named_parameters() if "lora_" in k} \
         if a.keep_lora else None
     out.update(gpu_peak_nvml_gb=sampler.stop(), host_peak_gb=host_peak_gb())
     out["host_peak_over_dit"] = out["host_peak_gb"] / out["dit_gb"]
     return out
+
+
+class StepProfiler:
+    """``--profile-step K``: PyTorch's profiler over training step K + 1 (after K steps), summarised
+    per CUDA stream: how long each stream was busy within the step (union of its kernels and
+    copies), and its five costliest names.  The compute stream's idle time is what the step spent
+    waiting (for copies, widenings or the host)."""
+
+    def __init__(self, step: int):
+        self.step, self.prof, self.summary = step, None, None
+
+    def after_step(self, done: int) -> None:
+        if not self.step:
+            return
+        if done == self.step:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=acts)
+            self.prof.start()
+        elif done == self.step + 1 and self.prof is not None:
+            self.prof.stop()
+            path = Path(tempfile.mkdtemp()) / "trace.json"
+            self.prof.export_chrome_trace(str(path))
+            self.summary = trace_summary(json.loads(path.read_text()))
+
+
+def trace_summary(trace: dict) -> dict:
+    """Per stream: busy ms (overlaps counted once), event count, top names by total ms."""
+    events = [e for e in trace.get("traceEvents", [])
+              if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    if not events:
+        return {"streams": {}}
+    start = min(e["ts"] for e in events)
+    window = max(e["ts"] + e["dur"] for e in events) - start
+    streams: dict[str, list[dict]] = {}
+    for e in events:
+        streams.setdefault(str(e.get("args", {}).get("stream", e.get("tid"))), []).append(e)
+    out = {}
+    for sid, evs in streams.items():
+        busy, end = 0.0, float("-inf")
+        for e in sorted(evs, key=lambda e: e["ts"]):  # union of intervals
+            lo, hi = max(e["ts"], end), e["ts"] + e["dur"]
+            if hi > lo:
+                busy += hi - lo
+            end = max(end, hi)
+        names: dict[str, float] = {}
+        for e in evs:
+            names[e["name"][:80]] = names.get(e["name"][:80], 0.0) + e["dur"]
+        top = sorted(names.items(), key=lambda kv: -kv[1])[:5]
+        out[sid] = {"busy_ms": busy / 1e3, "events": len(evs), "top_ms": [[n, round(d / 1e3, 2)] for n, d in top]}
+    return {"window_ms": window / 1e3, "streams": out}
 
 
 def qwen_rows(a, rows: dict[str, list[str]], timeout: int) -> dict:
@@ -167,6 +225,8 @@ def qwen_rows(a, rows: dict[str, list[str]], timeout: int) -> dict:
 def case_qwen20b(a) -> dict:
     layers, px = ("4", "64") if a.quick else ("60", "1024")
     common = ["--layers", layers, "--height", px, "--steps", "12", "--warmup", "3"]
+    if a.profile_step:  # every row profiles that step (see StepProfiler)
+        common += ["--profile-step", str(a.profile_step)]
     fp8_16 = [*common, "--offload", "--budget-gib", f"{16e9 / GIB:.3f}", "--storage", "float8_e4m3fn"]
     rows = {"resident": common, "budget_24gb": [*common, "--offload", "--budget-gib", f"{24e9 / GIB:.3f}"],
             "fp8_budget_16gb": fp8_16, "fp8_budget_16gb_act": [*fp8_16, "--act-offload"],
@@ -443,8 +503,10 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     for flag, kind in (("--layers", int), ("--height", int), ("--steps", int), ("--warmup", int),
-                       ("--save-steps", int), ("--prefetch", int), ("--text-len", int), ("--threads-less", int)):
-        ap.add_argument(flag, type=kind, default={"--text-len": 512, "--prefetch": 1, "--save-steps": 0}.get(flag))
+                       ("--save-steps", int), ("--prefetch", int), ("--text-len", int), ("--threads-less", int),
+                       ("--profile-step", int)):
+        ap.add_argument(flag, type=kind, default={"--text-len": 512, "--prefetch": 1, "--save-steps": 0,
+                                                  "--profile-step": 0}.get(flag))
     ap.add_argument("--budget-gib", type=float, default=0.0)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--storage", default="")
