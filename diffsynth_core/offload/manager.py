@@ -56,8 +56,9 @@ class OffloadTrainingManager:
     with one power-of-two scale per row (``quant``): half the host RAM and half the bytes per
     copy; the device widens them to the compute dtype in one pass (``widen_cuda``; lossy: ``detach``
     gives back the widened values).  Under a budget such units are kept on the device as stored
-    and widened into a slot at each use (half the device bytes of a widened copy).  Everything else (buffers, parameters shared between units or owned by modules outside
-    the units, e.g. Wan's ``scale_shift_table``) is moved to the device once.
+    and widened into a slot at each use (half the device bytes of a widened copy).  Everything
+    else (buffers, parameters shared between units or owned by modules outside the units, e.g.
+    Wan's ``scale_shift_table``) is moved to the device once.
 
     **Order of set-up** (what ``training.prepare`` does): apply LoRA (peft) first, so the adapter
     weights exist and are trainable; then ``apply_gradient_checkpointing``; then attach this

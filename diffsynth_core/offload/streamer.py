@@ -160,6 +160,7 @@ class Streamer:
         """Keep a device copy of each of ``units`` in its storage layout (fp8 codes and scales),
         dropping the copies of units no longer listed; loads of these widen from there."""
         wanted = {u.index for u in units}
+        self._after_compute()
         for i in [i for i in self.stored if i not in wanted]:
             buf = self.stored.pop(i)
             if self.cuda:  # widenings still queued may read it
@@ -191,11 +192,20 @@ class Streamer:
     def copy_to(self, unit: Unit, buf: torch.Tensor) -> None:
         """Copy ``unit`` into ``buf`` (a device buffer of its own, kept for good) and point it there."""
         views = [typed_view(buf, r.dev_offset, r.compute_dtype, r.shape) for r in unit.tensors]
+        self._after_compute()
         landed = self._copy(unit, buf, views)
         if landed is not None:  # settle() orders compute after the copy stream; widening is on another
             self.copy_stream.wait_event(landed)
         for rec, view in zip(unit.tensors, views):
             rec.param.data = view
+
+    def _after_compute(self) -> None:
+        """Side-stream writes into memory just allocated on the compute stream wait for the compute
+        issued so far: the allocator may hand out memory that queued kernels still use."""
+        if self.cuda:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            if self.widen_stream is not None:
+                self.widen_stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def settle(self) -> None:
         """Compute issued from now on sees every copy (and widening) issued so far."""
