@@ -30,9 +30,9 @@ def open_dataset(section: DatasetSection, spec: FamilySpec) -> SampleDataset | C
     else:
         raise InputError("dataset.metadata_path is empty: point it at a metadata.csv/.json/.jsonl file, a folder "
                          "of images with captions, or a musubi-tuner dataset .toml")
-    # dataset.repeat repeats everything, on top of each source's (and kohya folder's) own repeats.
-    parts = [(dataset, repeat * section.repeat)
-             for source in sources for dataset, repeat in _open_source(section, source, spec)]
+    # Each source's (and kohya folder's) own repeats; dataset.repeat multiplies everything on top
+    # of them in the sampler (stages.train, stages.status), not here.
+    parts = [pair for source in sources for pair in _open_source(section, source, spec)]
     if len(parts) == 1 and parts[0][1] == 1:
         return parts[0][0]
     return ConcatSamples(parts)

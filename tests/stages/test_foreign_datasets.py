@@ -72,6 +72,19 @@ def test_kohya_repeat_folders_repeat_and_caption_with_their_class_tokens(demo_as
     assert _prompts_in_training_order(cfg) == ["a cat"] + ["sks dog asleep", "sks dog on grass", "sks dog"] * 3
 
 
+def test_dataset_repeat_multiplies_a_folders_own_repeats_once(demo_assets, tmp_path):
+    from stages.status import work_left
+    root = tmp_path / "train"
+    _image(root / "2_cat" / "z.png")
+    (root / "2_cat" / "z.caption").write_text("a cat")
+    cfg = _config(demo_assets, tmp_path, {"metadata_path": str(root), "caption_extension": ".caption", "repeat": 3},
+                  "train.num_epochs=1", "train.batch_size=1")
+    cfg.train.max_steps = None  # an epoch of steps: one row, twice by its folder, three times by dataset.repeat
+    preprocess.run(cfg, 0)
+    assert preprocess.finalize(cfg).complete
+    assert work_left(cfg).total_steps == 2 * 3
+
+
 MUSUBI_TOML = """
 [general]
 resolution = [64, 48]
