@@ -74,15 +74,32 @@ def dit_bytes(dit_layers: int, quick: bool) -> int:
     return sum(p.numel() * p.element_size() for p in meta.parameters())
 
 
+def reuse(folder: Path, settings: dict) -> bool:
+    """Whether ``folder`` already holds what ``settings`` would build (its ``bench-settings.json``
+    says so); a folder built with other settings stops the run: its figures would be wrong."""
+    stamp = folder / "bench-settings.json"
+    if stamp.is_file() and json.loads(stamp.read_text()) == settings:
+        return True
+    if folder.exists() and any(folder.iterdir()):
+        raise SystemExit(f"{folder} was built with other settings than {settings}; remove it or pick another "
+                         f"--workdir")
+    return False
+
+
+def stamp(folder: Path, settings: dict) -> None:
+    (folder / "bench-settings.json").write_text(json.dumps(settings))
+
+
 def write_model(folder: Path, dit_layers: int, te_layers: int, quick: bool) -> None:
-    """The model folder (skipped when ``model_index.json`` exists); run in a child process, so the
-    GPU memory it used is gone before ``splitflow run`` starts."""
+    """The model folder (kept when it was built with the same settings); run in a child process,
+    so the GPU memory it used is gone before ``splitflow run`` starts."""
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler
 
     from diffsynth_core.models import qwen_image, tiny_tokenizers
     from diffsynth_core.models.random_models import build_random_transformer
 
-    if (folder / "model_index.json").is_file():
+    settings = {"dit_layers": dit_layers, "te_layers": te_layers, "quick": quick}
+    if reuse(folder, settings):
         return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dit = build_random_transformer(qwen_image.TRANSFORMER_CLASS, {"e2e": dit_layout(dit_layers, quick)}, "e2e",
@@ -93,15 +110,17 @@ def write_model(folder: Path, dit_layers: int, te_layers: int, quick: bool) -> N
         scheduler=FlowMatchEulerDiscreteScheduler(**qwen_image.SCHEDULER_CONFIG), vae=vae,
         text_encoder=text_encoder(tokenizer, te_layers, quick), tokenizer=tokenizer, transformer=dit)
     pipe.save_pretrained(folder, max_shard_size="5GB")  # written shard by shard, from the GPU
+    stamp(folder, settings)
 
 
 def write_dataset(folder: Path, count: int, pixels: int) -> Path:
     from PIL import Image
 
-    folder.mkdir(parents=True, exist_ok=True)
     meta = folder / "metadata.csv"
-    if meta.is_file():
+    settings = {"images": count, "pixels": pixels}
+    if reuse(folder, settings):
         return meta
+    folder.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(0)
     rows = []
     for i in range(count):
@@ -112,10 +131,11 @@ def write_dataset(folder: Path, count: int, pixels: int) -> Path:
         writer = csv.DictWriter(handle, fieldnames=["image", "prompt"])
         writer.writeheader()
         writer.writerows(rows)
+    stamp(folder, settings)
     return meta
 
 
-def write_config(workdir: Path, meta: Path, steps: int, pixels: int, quick: bool, overrides: list[str]) -> Path:
+def write_config(workdir: Path, meta: Path, steps: int, pixels: int, quick: bool) -> Path:
     import tomli_w
 
     cfg = {"dataset": {"base_path": str(meta.parent), "metadata_path": str(meta), "max_pixels": pixels * pixels},
@@ -157,11 +177,12 @@ class Sampler:
             try:
                 rss = self.proc.memory_info().rss
                 tree = rss + sum(c.memory_info().rss for c in self.proc.children(recursive=True))
-                anon, file = _status_bytes(self.proc.pid)
+                fields = rss_fields(self.proc.pid)
             except (self.psutil.Error, OSError):
                 continue
             self.rss, self.tree = max(self.rss, rss), max(self.tree, tree)
-            self.anon, self.file = max(self.anon, anon), max(self.file, file)
+            self.anon = max(self.anon, fields.get("RssAnon", 0) + fields.get("RssShmem", 0))
+            self.file = max(self.file, fields.get("RssFile", 0))
 
     def stop(self) -> dict:
         self._stop.set()
@@ -171,14 +192,15 @@ class Sampler:
                 "gpu_peak_nvml_gb": self.gpu.stop()}
 
 
-def _status_bytes(pid: int) -> tuple[int, int]:
-    """(anonymous + shared-memory, file-backed) resident bytes from /proc/PID/status."""
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("RssAnon", "RssFile", "RssShmem"):
-            fields[key] = int(value.split()[0]) * 1024
-    return fields.get("RssAnon", 0) + fields.get("RssShmem", 0), fields.get("RssFile", 0)
+def rss_fields(pid: int) -> dict[str, int]:
+    """VmRSS split as /proc/PID/status splits it: RssAnon, RssFile, RssShmem (bytes)."""
+    out = {}
+    with open(f"/proc/{pid}/status") as handle:
+        for line in handle:
+            if line.startswith(("VmRSS:", "RssAnon:", "RssFile:", "RssShmem:")):
+                name, value = line.split(":", 1)
+                out[name] = int(value.split()[0]) * 1024
+    return out
 
 
 def run_splitflow(config: Path, extra: list[str]) -> tuple[dict, dict, float]:
@@ -196,7 +218,7 @@ def run_splitflow(config: Path, extra: list[str]) -> tuple[dict, dict, float]:
     return json.loads(output[start:output.rindex("}") + 1]), peaks, wall
 
 
-def summarise(result: dict, peaks: dict, wall: float, workdir: Path, dit_bytes: int, images: int) -> dict:
+def summarise(result: dict, peaks: dict, wall: float, dit_bytes: int, images: int) -> dict:
     from diffsynth_core.training.metrics import read_metrics
 
     train = result["train"]
@@ -242,9 +264,9 @@ def main() -> None:
     size = dit_bytes(a.dit_layers, a.quick)
     meta = write_dataset(workdir / "dataset", a.images, a.pixels)
     build_s = time.perf_counter() - t0
-    config = write_config(workdir, meta, a.steps, a.pixels, a.quick, a.set)
+    config = write_config(workdir, meta, a.steps, a.pixels, a.quick)
     result, peaks, wall = run_splitflow(config, [arg for s in a.set for arg in ("--set", s)])
-    out = {"build_s": build_s, **summarise(result, peaks, wall, workdir, size, a.images),
+    out = {"build_s": build_s, **summarise(result, peaks, wall, size, a.images),
            "settings": {"dit_layers": a.dit_layers, "te_layers": a.te_layers, "images": a.images, "pixels": a.pixels,
                         "steps": a.steps, "set": a.set}}
     text = json.dumps(out, indent=1)

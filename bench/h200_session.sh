@@ -7,7 +7,8 @@
 #                                                # block inputs), Qwen-Image 20B fp8 under 16 GB
 #                                                # (PROFILE_STEP=6: where each row's step 7 waits)
 # MUSUBI_FILE is musubi-tuner's src/musubi_tuner/modules/custom_offloading_utils.py (not shipped here).
-# JSON lands in $OUT (default ./h200-out); each step has its own time limit inside one overall deadline.
+# JSON lands in $OUT (default ./h200-out) under the names bench/summarise_h200.py and bench/results/README.md
+# use; each step has its own time limit inside one overall deadline.
 set -u
 OUT=${OUT:-./h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -27,12 +28,12 @@ peak)
   timeout 60 python3 -m pytest -q -p no:cacheprovider -k "not nccl and not optimizer" \
     tests/core/offload/test_offload_gpu.py tests/core/gradient/test_activation_offload_gpu.py \
     > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
-  timeout 150 python3 -m bench.side_by_side --musubi-file "$2" --out "$OUT/side_by_side_h200.json" \
+  timeout 150 python3 -m bench.side_by_side --musubi-file "$2" --out "$OUT/side_by_side_peak_h200.json" \
     --rows "${ROWS:-streamed,fp8_streamed,streamed_act,budget_12_of_24_act}" > /dev/null
   if [ "$(left)" -ge 110 ]; then  # resident + fp8 under 16 GB, ~50 s a row
     timeout "$(left)" python3 -m bench.offload --cases widen,qwen20b --qwen-rows "${QWEN_ROWS:-fp8_budget_16gb}" \
       --profile-step "${PROFILE_STEP:-0}" \
-      --out "$OUT/offload_h200.json" > /dev/null
+      --out "$OUT/offload_fp8_16gb_h200.json" > /dev/null
   fi
   ;;
 optim)  # issue 12's optimizer-offload toy and the optimizer-offload GPU tests
@@ -42,7 +43,7 @@ optim)  # issue 12's optimizer-offload toy and the optimizer-offload GPU tests
   timeout "$(left)" python3 -m bench.offload --cases optim --out "$OUT/offload_optim_h200.json"
   ;;
 e2e)
-  timeout "$(left)" python3 -m bench.e2e_gpu --workdir /tmp/splitflow-e2e --out "$OUT/e2e_h200.json" \
+  timeout "$(left)" python3 -m bench.e2e_gpu --workdir /tmp/splitflow-e2e --out "$OUT/e2e_full_h200.json" \
     --set offload.vram_budget_gb=22.35 > "$OUT/e2e_log.txt" 2>&1; tail -5 "$OUT/e2e_log.txt"
   ;;
 esac

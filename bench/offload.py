@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -89,10 +88,10 @@ DEVICE: list[str] = []  # "--device X" for every worker (set by main)
 QUICK: list[str] = []  # "--quick" for every worker (set by main)
 
 
-def _spawn(args: list[str], timeout: int, env: dict | None = None) -> dict:
+def _spawn(args: list[str], timeout: int) -> dict:
     try:
         proc = subprocess.run([sys.executable, "-m", "bench.offload", *args, *DEVICE, *QUICK], cwd=ROOT, capture_output=True,
-                              text=True, timeout=timeout, env={**os.environ, **env} if env else None)
+                              text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout} s"}
     if proc.returncode != 0:
@@ -186,9 +185,10 @@ class StepProfiler:
             self.prof.start()
         elif done == self.step + 1 and self.prof is not None:
             self.prof.stop()
-            path = Path(tempfile.mkdtemp()) / "trace.json"
-            self.prof.export_chrome_trace(str(path))
-            self.summary = trace_summary(json.loads(path.read_text()))
+            with tempfile.TemporaryDirectory() as tmp:  # a 60-block step's trace is large: not kept
+                path = Path(tmp) / "trace.json"
+                self.prof.export_chrome_trace(str(path))
+                self.summary = trace_summary(json.loads(path.read_text()))
 
 
 def trace_summary(trace: dict) -> dict:
@@ -218,7 +218,7 @@ def trace_summary(trace: dict) -> dict:
     return {"window_ms": window / 1e3, "streams": out}
 
 
-def qwen_rows(a, rows: dict[str, list[str]], timeout: int) -> dict:
+def qwen_rows(rows: dict[str, list[str]], timeout: int) -> dict:
     return {name: _spawn(["--worker", "qwen", *args], timeout) for name, args in rows.items()}
 
 
@@ -231,7 +231,7 @@ def case_qwen20b(a) -> dict:
     rows = {"resident": common, "budget_24gb": [*common, "--offload", "--budget-gib", f"{24e9 / GIB:.3f}"],
             "fp8_budget_16gb": fp8_16, "fp8_budget_16gb_act": [*fp8_16, "--act-offload"],
             "fp8_budget_16gb_prefetch2": [*fp8_16, "--prefetch", "2"]}
-    res = qwen_rows(a, {k: v for k, v in rows.items() if k == "resident" or k in a.qwen_rows.split(",")}, 420)
+    res = qwen_rows({k: v for k, v in rows.items() if k == "resident" or k in a.qwen_rows.split(",")}, 420)
     resident = res["resident"].get("step_s")
     for name, row in res.items():
         if resident and row.get("step_s") and name != "resident":
@@ -242,7 +242,7 @@ def case_qwen20b(a) -> dict:
 def case_fp8_loss(a) -> dict:
     layers, px, steps = ("2", "64", "6") if a.quick else ("8", "1024", "100")
     common = ["--layers", layers, "--height", px, "--steps", steps, "--warmup", "3", "--offload"]
-    res = qwen_rows(a, {"bf16_storage": common, "fp8_storage": [*common, "--storage", "float8_e4m3fn"]}, 300)
+    res = qwen_rows({"bf16_storage": common, "fp8_storage": [*common, "--storage", "float8_e4m3fn"]}, 300)
     a_, b = res["bf16_storage"].get("losses"), res["fp8_storage"].get("losses")
     if a_ and b:
         res["mean_loss_bf16"], res["mean_loss_fp8"] = statistics.mean(a_), statistics.mean(b)
@@ -474,20 +474,19 @@ def optim_worker(a) -> dict:
     return out
 
 
-OPTIM_ROWS = {  # row -> (mode, extra worker args, extra environment)
-    "all_gpu": ("all_gpu", [], {}),
-    "cpu_adamw_alone": ("cpu_adamw_alone", [], {}),
-    "unbound": ("unbound", [], {}),
-    "bound": ("bound", [], {}),
-    "bound_overlap_backward": ("bound_overlap_backward", [], {}),
+OPTIM_ROWS = {  # row -> (mode, extra worker args)
+    "all_gpu": ("all_gpu", []),
+    "cpu_adamw_alone": ("cpu_adamw_alone", []),
+    "unbound": ("unbound", []),
+    "bound": ("bound", []),
+    "bound_overlap_backward": ("bound_overlap_backward", []),
     # diagnostic: the worker with every intra-op thread (the default leaves two)
-    "bound_overlap_backward_all_threads": ("bound_overlap_backward", ["--threads-less", "0"], {}),
+    "bound_overlap_backward_all_threads": ("bound_overlap_backward", ["--threads-less", "0"]),
 }
 
 
 def case_optim(a) -> dict:
-    res = {row: _spawn(["--worker", "optim", "--mode", mode, *extra], 200, env)
-           for row, (mode, extra, env) in OPTIM_ROWS.items()}
+    res = {row: _spawn(["--worker", "optim", "--mode", mode, *extra], 200) for row, (mode, extra) in OPTIM_ROWS.items()}
     if all("step_s" in r for r in res.values()):
         floor = max(res["all_gpu"]["step_s"], res["cpu_adamw_alone"]["step_s"])
         for row in OPTIM_ROWS:

@@ -65,17 +65,6 @@ def pss_bytes(pid: int) -> int:
     return 0
 
 
-def rss_fields(pid: int) -> dict[str, int]:
-    """VmRSS split as /proc/PID/status splits it: RssAnon, RssFile, RssShmem (bytes)."""
-    out = {}
-    with open(f"/proc/{pid}/status") as handle:
-        for line in handle:
-            if line.startswith(("VmRSS:", "RssAnon:", "RssFile:", "RssShmem:")):
-                name, value = line.split(":", 1)
-                out[name] = int(value.split()[0]) * 1024
-    return out
-
-
 class HostSampler:
     """Peaks of the machine's used memory (10 Hz) and of the launched tree's PSS sum (2 Hz), split
     at the moment ``training_started()`` first answers True."""
@@ -121,7 +110,7 @@ class HostSampler:
                 total += pss_bytes(proc.pid)
                 if proc is not self.root:
                     peaks = self.rank_rss.setdefault(proc.pid, {})
-                    for name, value in rss_fields(proc.pid).items():
+                    for name, value in e2e_gpu.rss_fields(proc.pid).items():
                         peaks[name] = max(peaks.get(name, 0), value)
             except (OSError, self.psutil.Error):  # a rank that just exited
                 continue
@@ -192,12 +181,12 @@ def train_with(nprocs: int, config: Path, out: Path, overrides: list[str], dit_b
 def probe() -> None:
     """Run by each rank of ``torchrun -m bench.ranks --probe``: this process's RssAnon (private host
     memory) after each thing a training rank sets up before it loads a weight; one JSON line."""
-    steps = {"python+torch": rss_fields(os.getpid())}
+    steps = {"python+torch": e2e_gpu.rss_fields(os.getpid())}
     import flows.cli  # noqa: F401  what `flows.cli train --in-process` imports
     from stages import train  # noqa: F401
     from stages.common import init_distributed
 
-    steps["training_modules"] = rss_fields(os.getpid())
+    steps["training_modules"] = e2e_gpu.rss_fields(os.getpid())
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         from diffsynth_core.training.device import avoid_broken_kernels
@@ -205,16 +194,16 @@ def probe() -> None:
         avoid_broken_kernels(device)
     device = init_distributed(device)
     torch.zeros(1, device=device)
-    steps["device_context"] = rss_fields(os.getpid())
+    steps["device_context"] = e2e_gpu.rss_fields(os.getpid())
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(torch.ones(1 << 20, device=device))
-    steps["process_group"] = rss_fields(os.getpid())
+    steps["process_group"] = e2e_gpu.rss_fields(os.getpid())
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     q = torch.randn(1, 24, 4096, 128, device=device, dtype=dtype, requires_grad=True)
     torch.nn.functional.scaled_dot_product_attention(q, q, q).sum().backward()
     (torch.randn(3072, 3072, device=device, dtype=dtype) @ torch.randn(3072, 3072, device=device, dtype=dtype)).sum()
     torch.cuda.synchronize() if device.type == "cuda" else None
-    steps["attention+matmul"] = rss_fields(os.getpid())
+    steps["attention+matmul"] = e2e_gpu.rss_fields(os.getpid())
     print("PROBE " + json.dumps({step: {k: round(v / GB, 3) for k, v in f.items()} for step, f in steps.items()}))
 
 
@@ -233,7 +222,7 @@ def prepare(workdir: Path, a) -> tuple[Path, int]:
              "--dit-layers", str(a.dit_layers), "--te-layers", "1"] + (["--quick"] if a.smoke else [])
     subprocess.run(build, cwd=ROOT, check=True)
     meta = e2e_gpu.write_dataset(workdir / "dataset", a.images, a.pixels)
-    config = e2e_gpu.write_config(workdir, meta, a.steps, a.pixels, a.smoke, [])
+    config = e2e_gpu.write_config(workdir, meta, a.steps, a.pixels, a.smoke)
     encode = [sys.executable, "-m", "flows.cli", "preprocess", str(config), "--part", "0",
               *[arg for s in a.set for arg in ("--set", s)]]
     subprocess.run(encode, cwd=ROOT, check=True, env=_env(a.smoke))

@@ -36,7 +36,7 @@ ROWS = ("streamed", "streamed_split", "fp8_streamed", "streamed_act", "fp8_strea
 
 def engine_options(mode: str, size: str, budget_gib: float | None) -> dict:
     """Our engine's options for each row."""
-    linear = max(4, 4) * SIZES[size][1] ** 2 * 2  # the largest Linear of a block (up/down), bf16 bytes
+    linear = 4 * SIZES[size][1] ** 2 * 2  # the largest Linear of a block (up/down: 4·w²), bf16 bytes
     mode = mode.removesuffix("_act")  # the same engine options, with the block inputs offloaded
     return {"streamed": dict(prefetch=1),
             "streamed_split": dict(prefetch=2, cpu_offload_split_threshold=1.2 * linear / MIB),
@@ -110,12 +110,16 @@ def orchestrate(args) -> dict:
     common = ["--size", args.size, "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup)]
     rows = Rows(args.out)
     rows["resident"] = _spawn(["-m", "bench.side_by_side", "--worker", "resident", *common])
+    # A budget row plans from the matching all-streamed row's peak: asking for it runs that row too.
+    wanted = set(args.rows) | {"streamed" + sfx for sfx in ("", "_act") if "budget_12_of_24" + sfx in args.rows}
     for mode in ROWS:
-        if mode in args.rows and not mode.startswith("budget"):
+        if mode in wanted and not mode.startswith("budget"):
             rows[mode] = _spawn(["-m", "bench.side_by_side", "--worker", mode, *common])
-    for suffix in ("", "_act"):  # the budget rows plan from the matching all-streamed row's peak
+    for suffix in ("", "_act"):
         streamed, mode = rows.get("streamed" + suffix, {}), "budget_12_of_24" + suffix
-        if mode in args.rows and streamed.get("peak_gib"):
+        if mode in args.rows and not streamed.get("peak_gib"):
+            rows[mode] = {"error": f"streamed{suffix} gave no peak to plan from"}
+        elif mode in args.rows:
             # Room for 12.5 blocks above what the all-streamed step peaks at (+ the planner's margin):
             # the planner then keeps 12 of the 24 blocks resident.
             room = streamed["peak_gib"] + 12.5 * streamed["unit_gib"] + 256 * MIB / GIB

@@ -43,7 +43,7 @@ def rows(folder: Path):
                 yield f"{case} {name}", {k: (row[k][-300:] if k == "error" else row[k]) for k in keep if k in row}
             else:
                 yield f"{case} {name}", {"value": row}
-    widen = _load(folder, "widen_h200.json").get("widen")
+    widen = _load(folder, "widen_h200.json").get("widen") or _load(folder, "offload_fp8_16gb_h200.json").get("widen")
     if widen:
         yield "widen one Qwen-Image block", widen
     for name in ("e2e_h200.json", "e2e_full_h200_run1.json", "e2e_full_h200.json"):
