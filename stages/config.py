@@ -54,6 +54,13 @@ def _multiple_of_16(value: int | None) -> int | None:
     return value
 
 
+def _caption_extension(value: str | None) -> str | None:
+    # Caption files are found with Path.with_suffix, which takes only a dotted suffix.
+    if value is not None and (not value.startswith(".") or value == "." or "/" in value):
+        raise ValueError(f"{value!r} is not a file extension: give it with its dot, e.g. \".txt\"")
+    return value
+
+
 class DatasetSource(_Section):
     """One of several datasets (``dataset.sources``); unset values come from ``[dataset]``.
 
@@ -61,7 +68,7 @@ class DatasetSource(_Section):
     metadata_path: str = Field(min_length=1)  # metadata file or media folder
     base_path: str = ""
     repeat: int = Field(1, ge=1)
-    caption_extension: str | None = None
+    caption_extension: Annotated[str | None, AfterValidator(_caption_extension)] = None
     max_pixels: int | None = Field(None, gt=0)
     height: Annotated[int | None, AfterValidator(_multiple_of_16)] = None
     width: Annotated[int | None, AfterValidator(_multiple_of_16)] = None
@@ -84,7 +91,7 @@ class DatasetSection(_Section):
     # Media paths must resolve inside base_path (no ../, absolute paths or symlinks out of it).
     allow_external_paths: bool = False
     # Folder datasets (kohya/musubi-tuner): media files with same-name caption files.
-    caption_extension: str = ".txt"
+    caption_extension: Annotated[str, AfterValidator(_caption_extension)] = ".txt"
     # Several datasets with their own repeats and sizes; a musubi-tuner dataset TOML given as
     # metadata_path is expanded into these (stages/compat/musubi.py, docs/datasets.md).
     sources: list[DatasetSource] = []
