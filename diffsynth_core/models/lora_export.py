@@ -32,8 +32,6 @@ from typing import Any, Callable, Mapping
 import torch
 
 DIFFUSERS_FILE = "lora.safetensors"
-COMFYUI_FILE = "lora_comfyui.safetensors"
-DIFFSYNTH_FILE = "lora_diffsynth.safetensors"
 CONSUMER_SUFFIXES = {"diffusers": "", "comfyui": "_comfyui", "diffsynth": "_diffsynth"}
 _SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 
