@@ -54,6 +54,16 @@ def _multiple_of_16(value: int | None) -> int | None:
     return value
 
 
+def _caption_extension(value: str | None) -> str | None:
+    # Caption files are found with Path.with_suffix, which takes only a dotted suffix.
+    if value is not None and (not value.startswith(".") or value == "." or "/" in value):
+        raise ValueError(f"{value!r} is not a file extension: give it with its dot, e.g. \".txt\"")
+    return value
+
+
+_MultipleOf16 = Annotated[int | None, AfterValidator(_multiple_of_16)]
+
+
 class DatasetSource(_Section):
     """One of several datasets (``dataset.sources``); unset values come from ``[dataset]``.
 
@@ -61,10 +71,10 @@ class DatasetSource(_Section):
     metadata_path: str = Field(min_length=1)  # metadata file or media folder
     base_path: str = ""
     repeat: int = Field(1, ge=1)
-    caption_extension: str | None = None
+    caption_extension: Annotated[str | None, AfterValidator(_caption_extension)] = None
     max_pixels: int | None = Field(None, gt=0)
-    height: Annotated[int | None, AfterValidator(_multiple_of_16)] = None
-    width: Annotated[int | None, AfterValidator(_multiple_of_16)] = None
+    height: _MultipleOf16 = None
+    width: _MultipleOf16 = None
     num_frames: int | None = Field(None, ge=1)
 
 
@@ -74,8 +84,8 @@ class DatasetSection(_Section):
     data_file_keys: list[str] = ["image", "video"]
     repeat: int = Field(1, ge=1)
     max_pixels: int = Field(1024 * 1024, gt=0)
-    height: int | None = None
-    width: int | None = None
+    height: _MultipleOf16 = None
+    width: _MultipleOf16 = None
     num_frames: int = Field(1, ge=1)
     skip_bad_samples: bool = False
     # Transparent pixels are composited on this colour (a name, #rgb or #rrggbb), never trained as
@@ -84,7 +94,7 @@ class DatasetSection(_Section):
     # Media paths must resolve inside base_path (no ../, absolute paths or symlinks out of it).
     allow_external_paths: bool = False
     # Folder datasets (kohya/musubi-tuner): media files with same-name caption files.
-    caption_extension: str = ".txt"
+    caption_extension: Annotated[str, AfterValidator(_caption_extension)] = ".txt"
     # Several datasets with their own repeats and sizes; a musubi-tuner dataset TOML given as
     # metadata_path is expanded into these (stages/compat/musubi.py, docs/datasets.md).
     sources: list[DatasetSource] = []
@@ -104,14 +114,6 @@ class DatasetSection(_Section):
     def _one_kind_of_dataset(self):
         if self.sources and self.metadata_path and not self.metadata_path.endswith(".toml"):
             raise ValueError("give dataset.metadata_path or dataset.sources, not both")
-        return self
-
-    @model_validator(mode="after")
-    def _fixed_size_is_aligned(self):
-        for name in ("height", "width"):
-            value = getattr(self, name)
-            if value is not None and (value <= 0 or value % 16):
-                raise ValueError(f"dataset.{name} must be a positive multiple of 16, got {value}")
         return self
 
 

@@ -32,8 +32,6 @@ from typing import Any, Callable, Mapping
 import torch
 
 DIFFUSERS_FILE = "lora.safetensors"
-COMFYUI_FILE = "lora_comfyui.safetensors"
-DIFFSYNTH_FILE = "lora_diffsynth.safetensors"
 CONSUMER_SUFFIXES = {"diffusers": "", "comfyui": "_comfyui", "diffsynth": "_diffsynth"}
 _SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 
@@ -129,12 +127,16 @@ def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(len(text).to_bytes(8, "little"))
-        f.write(text)
-        for blob in blobs:
-            f.write(blob)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(len(text).to_bytes(8, "little"))
+            f.write(text)
+            for blob in blobs:
+                f.write(blob)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed write leaves no half file in the output folder
+        raise
     return path
 
 

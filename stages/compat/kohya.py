@@ -45,10 +45,11 @@ def _media(folder: Path) -> list[tuple[Path, str]]:
     return found
 
 
-def folder_records(folder: Path, caption_extension: str, class_tokens: str | None = None) -> list[dict[str, Any]]:
-    """Rows for the captioned media of ``folder``; an uncaptioned video is an error naming it."""
+def folder_records(folder: Path, media: list[tuple[Path, str]], caption_extension: str,
+                   class_tokens: str | None = None) -> list[dict[str, Any]]:
+    """Rows for the captioned ``media`` (``_media(folder)``); an uncaptioned video is an error naming it."""
     records, uncaptioned = [], []
-    for path, kind in _media(folder):
+    for path, kind in media:
         caption_file = path.with_suffix(caption_extension)
         if caption_file.is_file():
             caption = caption_file.read_text(encoding="utf-8-sig").strip()
@@ -72,10 +73,12 @@ def folder_records(folder: Path, caption_extension: str, class_tokens: str | Non
 def folder_sources(folder: Path, caption_extension: str) -> list[FolderSource]:
     """The folder itself, or its ``<repeats>_<name>`` subfolders when it holds no media of its own."""
     folder = Path(folder)
-    if _media(folder):
-        return [FolderSource(folder, folder_records(folder, caption_extension))]
+    media = _media(folder)
+    if media:
+        return [FolderSource(folder, folder_records(folder, media, caption_extension))]
     subfolders = [(p, REPEAT_FOLDER.match(p.name)) for p in sorted(folder.iterdir()) if p.is_dir()]
-    sources = [FolderSource(p, folder_records(p, caption_extension, class_tokens=m.group(2)), int(m.group(1)))
+    sources = [FolderSource(p, folder_records(p, _media(p), caption_extension, class_tokens=m.group(2)),
+                            int(m.group(1)))
                for p, m in subfolders if m and int(m.group(1)) > 0]
     if not sources:
         raise DatasetError("no images or videos, and no <repeats>_<name> subfolders with them", metadata=folder)

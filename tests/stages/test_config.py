@@ -1,5 +1,6 @@
 import pytest
 
+from diffsynth_core.errors import InputError
 from stages.compat.diffsynth import flag_overrides
 from stages.config import ConfigError, RunConfig, build_config, load_config
 
@@ -36,6 +37,20 @@ def test_every_bad_value_is_reported_with_its_dotted_key():
         build_config({"train": {"learning_rate": -1, "save_steps": -2}, "dataset": {"height": 100}})
     text = str(err.value)
     assert "train.learning_rate" in text and "train.save_steps" in text and "multiple of 16" in text
+
+
+def test_a_caption_extension_without_its_dot_is_a_one_line_error():
+    # Path.with_suffix("txt") raised ValueError with a traceback when the folder was read.
+    for dataset, key in [({"caption_extension": "txt"}, "dataset.caption_extension"),
+                         ({"sources": [{"metadata_path": "imgs", "caption_extension": "caption"}]},
+                          "dataset.sources.0.caption_extension")]:
+        with pytest.raises(InputError) as err:
+            build_config({"dataset": dataset})
+        text = str(err.value)
+        assert key in text and '".txt"' in text and "\n" not in text
+    with pytest.raises(ConfigError, match="caption_extension"):
+        build_config({"dataset": {"caption_extension": "."}})
+    assert build_config({"dataset": {"caption_extension": ".caption"}}).dataset.caption_extension == ".caption"
 
 
 def test_diffsynth_flags_map_to_config_keys():

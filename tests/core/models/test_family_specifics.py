@@ -94,6 +94,16 @@ def test_lora_export_rejects_malformed_state_dicts(bad, message, tmp_path):
         get_family("wan").export_lora(bad, {"r": 1, "lora_alpha": 1, "target_modules": ["a"]}, tmp_path)
 
 
+def test_a_failed_lora_write_leaves_no_temp_file(tmp_path, monkeypatch):
+    def disk_full(*args):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(lora_export.os, "replace", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        lora_export.write_safetensors(tmp_path / "lora.safetensors", {"a": torch.zeros(2)}, {})
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_comfy_alpha_matches_peft_scale_for_rslora():
     cfg = {"r": 16, "lora_alpha": 8, "use_rslora": True}
     assert lora_export.comfy_alpha(cfg, 16) / 16 == pytest.approx(8 / 16 ** 0.5)
