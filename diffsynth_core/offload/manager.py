@@ -282,7 +282,8 @@ class OffloadTrainingManager:
         for the unit it is about to load.  With ``overlap_backward=True`` a unit's step starts as
         soon as its gradients are on the host, during backward; that requires every backward to be
         followed by ``after_backward(); optimizer.step()`` with the gradients untouched (no clipping,
-        no accumulation, no data parallel), and the host gradients never appear in ``.grad``.
+        no accumulation, no data parallel, no skipping a NaN/Inf step: it is applied already), and the
+        host gradients never appear in ``.grad``.
         ``optimizer.state_dict()`` waits for the queued steps.  ``threads``: the worker's intra-op
         threads (``None``: all of the process's but two, see ``host_optimizer``)."""
         if self.grad_sink is None:
