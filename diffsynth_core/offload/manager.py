@@ -333,23 +333,25 @@ class OffloadTrainingManager:
         frozen unit weights (meta tensors) instead of restoring them."""
         self._check_attached()
         self._release()
-        if self.stepper is not None:
-            self.stepper.close()
-        self.streamer.evict_all()
-        handles = [h for hs in self._handles.values() for h in hs]
-        for h in handles + self._optimizer_hooks + ([self._order_hook] if self._order_hook else []):
-            h.remove()
-        if self.grad_sink is not None:
-            self.grad_sink.remove()
-        if self.streamer.cuda:  # no copy may still read the host memory we are about to hand back
-            torch.cuda.synchronize(self.device)
-        self.plan.restore(self.arena.buffer, frozen=restore_frozen,
-                          in_place=not isinstance(self.arena, SharedHostArena))
-        self.arena.release()
-        if self.grad_sink is not None:
-            self.grad_sink.arena.release()
-        self.streamer = None
-        delattr(self.model, _MARK)
+        try:
+            if self.stepper is not None:
+                self.stepper.close()  # a failed host step is raised after the model is given back
+        finally:
+            self.streamer.evict_all()
+            handles = [h for hs in self._handles.values() for h in hs]
+            for h in handles + self._optimizer_hooks + ([self._order_hook] if self._order_hook else []):
+                h.remove()
+            if self.grad_sink is not None:
+                self.grad_sink.remove()
+            if self.streamer.cuda:  # no copy may still read the host memory we are about to hand back
+                torch.cuda.synchronize(self.device)
+            self.plan.restore(self.arena.buffer, frozen=restore_frozen,
+                              in_place=not isinstance(self.arena, SharedHostArena))
+            self.arena.release()
+            if self.grad_sink is not None:
+                self.grad_sink.arena.release()
+            self.streamer = None
+            delattr(self.model, _MARK)
         return self.model
 
     def _release(self) -> None:
