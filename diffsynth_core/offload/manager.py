@@ -328,6 +328,12 @@ class OffloadTrainingManager:
         self._end_step()
         self.stats["steps"] += 1
 
+    def sync(self) -> None:
+        """Wait for the queued host optimizer steps, so the trainable weights can be read directly
+        (running the model needs no sync: each unit waits for its own step before it loads)."""
+        if self.stepper is not None:
+            self.stepper.join()
+
     def detach(self, restore_frozen: bool = True) -> nn.Module:
         """Remove every hook and give the model back in place; ``restore_frozen=False`` releases the
         frozen unit weights (meta tensors) instead of restoring them."""
