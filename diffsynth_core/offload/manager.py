@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_flatten
 from ..errors import InputError
 from .arena import HostArena
 from .shared_arena import SharedHostArena, shared_host_arena
-from .budget import GIB, BudgetTracker, auto_budget, plan_residency, static_residency
+from .budget import GIB, BudgetTracker, auto_budget, forward_order, plan_residency, static_residency
 from .grads import GradAverager, HostGradSink, blocking_event
 from .host_optimizer import HostStepper
 from .plan import MIB, Plan, build_plan
@@ -150,7 +150,7 @@ class OffloadTrainingManager:
         self._order: list[int] = []  # streamed units in the order their forward first ran this step
         self._order_seen: set[int] = set()
         self._by_index = {u.index: u for u in self.plan.units}
-        self._trainable_units = {u.index for u in self.plan.units if any(r.trainable for r in u.tensors)}
+        self._trainable_units = {u.index for u in self.plan.units if u.trainable}
         self._in_step = False
         self._forward_uses: dict[int, int] = {}
         self._uses: list[int] | None = [] if self.budget is not None else None  # recorded in step 1
@@ -256,7 +256,7 @@ class OffloadTrainingManager:
         self.streamer.evict_all()
         self.plan.set_budget(plan.resident, self.streamer, plan.compact)
         self._streamed_ids = {u.index for u in self.plan.streamed}
-        self.streamer.rehome([i for i in dict.fromkeys(self._uses) if i in self._streamed_ids])
+        self.streamer.rehome([i for i in forward_order(self._uses) if i in self._streamed_ids])
         self._order, self._order_seen = [], set()
         self.budget.planned_peak += sum(u.dev_bytes for u in plan.resident) + sum(u.host_bytes for u in plan.compact)
         self._drop_hooks(plan.resident)
