@@ -109,10 +109,10 @@ def device_cost(u: Unit) -> int:
 def plan_residency(units: list[Unit], uses: list[int], n_slots: int, room: int) -> ByteBudget:
     """Fill ``room`` device bytes with the units whose residency saves the most copied bytes."""
     by_index = {u.index: u for u in units}
-    order = [i for i in forward_order(uses) if i in by_index] + \
-        [u.index for u in units if u.index not in set(uses)]
+    used = set(uses)
+    order = [i for i in forward_order(uses) if i in by_index] + [u.index for u in units if u.index not in used]
     position = {idx: pos for pos, idx in enumerate(order)}
-    candidates = [u for u in units if not any(r.trainable for r in u.tensors) and u.dev_bytes > 0]
+    candidates = [u for u in units if not u.trainable and u.dev_bytes > 0]
     keep_across = {u.index for u in candidates}
     loads = simulate_loads(uses, order, n_slots, keep_across)
 
@@ -145,7 +145,7 @@ def plan_residency(units: list[Unit], uses: list[int], n_slots: int, room: int) 
 def static_residency(units: list[Unit], room: int) -> list[Unit]:
     """``resident_gb``: frozen units that fit in ``room`` bytes, evenly spaced over the registration
     order, chosen at attach without measuring (for callers that plan their device memory themselves)."""
-    return _evenly_spaced([u for u in units if not any(r.trainable for r in u.tensors)], room,
+    return _evenly_spaced([u for u in units if not u.trainable], room,
                           lambda u: u.dev_bytes)
 
 

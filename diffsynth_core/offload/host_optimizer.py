@@ -142,11 +142,14 @@ class HostStepper:
         self._raise()
 
     def close(self) -> None:
-        self.join()
-        with self._cv:
-            self._closed = True
-            self._cv.notify()
-        self._thread.join()
+        """Run what is queued and stop the worker; a worker's error is raised once it stopped."""
+        try:
+            self.join()
+        finally:
+            with self._cv:
+                self._closed = True
+                self._cv.notify()
+            self._thread.join()
 
     def _raise(self) -> None:
         if self._error is not None:

@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_flatten
 from ..errors import InputError
 from .arena import HostArena
 from .shared_arena import SharedHostArena, shared_host_arena
-from .budget import GIB, BudgetTracker, auto_budget, plan_residency, static_residency
+from .budget import GIB, BudgetTracker, auto_budget, forward_order, plan_residency, static_residency
 from .grads import GradAverager, HostGradSink, blocking_event
 from .host_optimizer import HostStepper
 from .plan import MIB, Plan, build_plan
@@ -150,7 +150,7 @@ class OffloadTrainingManager:
         self._order: list[int] = []  # streamed units in the order their forward first ran this step
         self._order_seen: set[int] = set()
         self._by_index = {u.index: u for u in self.plan.units}
-        self._trainable_units = {u.index for u in self.plan.units if any(r.trainable for r in u.tensors)}
+        self._trainable_units = {u.index for u in self.plan.units if u.trainable}
         self._in_step = False
         self._forward_uses: dict[int, int] = {}
         self._uses: list[int] | None = [] if self.budget is not None else None  # recorded in step 1
@@ -256,7 +256,7 @@ class OffloadTrainingManager:
         self.streamer.evict_all()
         self.plan.set_budget(plan.resident, self.streamer, plan.compact)
         self._streamed_ids = {u.index for u in self.plan.streamed}
-        self.streamer.rehome([i for i in dict.fromkeys(self._uses) if i in self._streamed_ids])
+        self.streamer.rehome([i for i in forward_order(self._uses) if i in self._streamed_ids])
         self._order, self._order_seen = [], set()
         self.budget.planned_peak += sum(u.dev_bytes for u in plan.resident) + sum(u.host_bytes for u in plan.compact)
         self._drop_hooks(plan.resident)
@@ -282,7 +282,8 @@ class OffloadTrainingManager:
         for the unit it is about to load.  With ``overlap_backward=True`` a unit's step starts as
         soon as its gradients are on the host, during backward; that requires every backward to be
         followed by ``after_backward(); optimizer.step()`` with the gradients untouched (no clipping,
-        no accumulation, no data parallel), and the host gradients never appear in ``.grad``.
+        no accumulation, no data parallel, no skipping a NaN/Inf step: it is applied already), and the
+        host gradients never appear in ``.grad``.
         ``optimizer.state_dict()`` waits for the queued steps.  ``threads``: the worker's intra-op
         threads (``None``: all of the process's but two, see ``host_optimizer``)."""
         if self.grad_sink is None:
@@ -327,28 +328,36 @@ class OffloadTrainingManager:
         self._end_step()
         self.stats["steps"] += 1
 
+    def sync(self) -> None:
+        """Wait for the queued host optimizer steps, so the trainable weights can be read directly
+        (running the model needs no sync: each unit waits for its own step before it loads)."""
+        if self.stepper is not None:
+            self.stepper.join()
+
     def detach(self, restore_frozen: bool = True) -> nn.Module:
         """Remove every hook and give the model back in place; ``restore_frozen=False`` releases the
         frozen unit weights (meta tensors) instead of restoring them."""
         self._check_attached()
         self._release()
-        if self.stepper is not None:
-            self.stepper.close()
-        self.streamer.evict_all()
-        handles = [h for hs in self._handles.values() for h in hs]
-        for h in handles + self._optimizer_hooks + ([self._order_hook] if self._order_hook else []):
-            h.remove()
-        if self.grad_sink is not None:
-            self.grad_sink.remove()
-        if self.streamer.cuda:  # no copy may still read the host memory we are about to hand back
-            torch.cuda.synchronize(self.device)
-        self.plan.restore(self.arena.buffer, frozen=restore_frozen,
-                          in_place=not isinstance(self.arena, SharedHostArena))
-        self.arena.release()
-        if self.grad_sink is not None:
-            self.grad_sink.arena.release()
-        self.streamer = None
-        delattr(self.model, _MARK)
+        try:
+            if self.stepper is not None:
+                self.stepper.close()  # a failed host step is raised after the model is given back
+        finally:
+            self.streamer.evict_all()
+            handles = [h for hs in self._handles.values() for h in hs]
+            for h in handles + self._optimizer_hooks + ([self._order_hook] if self._order_hook else []):
+                h.remove()
+            if self.grad_sink is not None:
+                self.grad_sink.remove()
+            if self.streamer.cuda:  # no copy may still read the host memory we are about to hand back
+                torch.cuda.synchronize(self.device)
+            self.plan.restore(self.arena.buffer, frozen=restore_frozen,
+                              in_place=not isinstance(self.arena, SharedHostArena))
+            self.arena.release()
+            if self.grad_sink is not None:
+                self.grad_sink.arena.release()
+            self.streamer = None
+            delattr(self.model, _MARK)
         return self.model
 
     def _release(self) -> None:

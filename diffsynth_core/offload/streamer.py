@@ -47,7 +47,6 @@ class Streamer:
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.ready: dict[int, object] = {}  # unit index -> ready event (CUDA)
         self.slot_of: dict[int, Slot] = {}
-        self.units = {u.index: u for u in units}
         self.masters = {u.index: [master_view(arena.buffer, u, r) for r in u.tensors] for u in units}
         size = max((u.dev_bytes for u in units), default=0)
         stage = max((u.host_bytes for u in units if u.casts), default=0)

@@ -86,6 +86,11 @@ class Unit:
     def casts(self) -> bool:
         return any(rec.needs_cast for rec in self.tensors)
 
+    @property
+    def trainable(self) -> bool:
+        """Some of its weights train (such a unit is never kept resident)."""
+        return any(rec.trainable for rec in self.tensors)
+
 
 def _resolve(model: nn.Module, dotted: str) -> nn.Module:
     mod = model

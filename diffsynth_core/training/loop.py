@@ -104,6 +104,9 @@ class Trainer:
         self.repeat, self.progress = repeat, progress
         # Called on rank 0 after each optimizer step: fn(step, model).  A callback may also define
         # on_checkpoint(step, model, lora_config) and on_epoch_end(epoch, step, model, lora_config).
+        # Under optimizer offload the host weights may still be stepping when fn runs (running the
+        # model waits for them; a sync every step would stall the next forward): read trainable
+        # weights directly only in the two hooks, which run after offload.sync().
         self.callbacks = list(callbacks)
         self.checkpoint_metadata = dict(checkpoint_metadata or {})  # saved with every checkpoint (base model)
         self.rank, self.world_size = _world()
@@ -135,15 +138,17 @@ class Trainer:
             step += 1
             losses.append(result.loss)
             self._report(metrics, bar, step, sampler, prepared, result, time.perf_counter() - started)
-            if step == total or (self.train.save_steps and step % self.train.save_steps == 0):
+            saving = step == total or (self.train.save_steps and step % self.train.save_steps == 0)
+            ended = range(epochs_done, _epochs_completed(sampler))
+            if prepared.offload is not None and (saving or ended):
+                prepared.offload.sync()  # checkpoints and exports read the weights: queued host steps first
+            if saving:
                 self._save(prepared, sampler, step, ema)
                 self._notify("on_checkpoint", step, prepared.model, prepared.lora_config)
-            for epoch in range(epochs_done, _epochs_completed(sampler)):
+            for epoch in ended:
                 self._notify("on_epoch_end", epoch, step, prepared.model, prepared.lora_config)
             epochs_done = _epochs_completed(sampler)
-            if self.rank == 0:
-                for callback in self.callbacks:
-                    callback(step, prepared.model)
+            self._notify("__call__", step, prepared.model)
         if bar is not None:
             bar.close()
         if metrics is not None:

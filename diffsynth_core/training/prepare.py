@@ -134,10 +134,10 @@ def prepare_for_training(model: nn.Module, spec: FamilySpec, train, offload, dev
     optimizer = build_optimizer(train.optimizer, list(trainable.values()), train.learning_rate,
                                 train.weight_decay, on_host=on_host)
     if on_host and manager.plan.host_trainable and not getattr(train, "ema_decay", 0):
-        # Host weights step unit by unit off the main thread; during backward already when nothing
-        # has to see all gradients first (clipping, accumulation, averaging over ranks).  Not with an
-        # EMA: it reads the weights right after optimizer.step(), before queued host steps ran.
-        early = (not train.max_grad_norm and train.gradient_accumulation_steps == 1 and manager.averager is None)
-        manager.bind_optimizer(optimizer, overlap_backward=early)
+        # Host weights step unit by unit off the main thread, once optimizer.step() queues them: never
+        # during backward (overlap_backward), since the Trainer's non-finite guard must see every
+        # gradient before any weight moves.  Not with an EMA: it reads the weights right after
+        # optimizer.step(), before queued host steps ran.
+        manager.bind_optimizer(optimizer)
     scheduler = constant_with_warmup(optimizer, train.warmup_steps)
     return Prepared(model, trainable, lora_config, optimizer, scheduler, manager)

@@ -239,3 +239,26 @@ def test_worker_steps_units_whose_gradients_landed_before_earlier_units_still_co
     stepper.close()
     assert stepped_5_first and [unit for what, unit, *_ in stepper.trace if what == "step"] == [0, 5, 1]
     assert all(not torch.equal(p, torch.zeros(4)) for p in reals.values())
+
+
+class _FailingOnTheWorkerAdamW(torch.optim.AdamW):
+    def step(self, closure=None):
+        if threading.current_thread().name == "splitflow-host-optimizer":
+            raise ValueError("boom")
+        return super().step(closure)
+
+
+def test_a_failed_host_step_still_detaches_and_stops_the_worker():
+    model = _model()
+    mgr = OffloadTrainingManager(model, "cpu", enable_optimizer_cpu_offload=True)
+    opt = _FailingOnTheWorkerAdamW(model.parameters(), lr=1e-2)
+    mgr.bind_optimizer(opt)
+    model(_data(0, 0)).pow(2).mean().backward()
+    mgr.after_backward()
+    opt.step()  # queues the host steps, which fail on the worker
+    with pytest.raises(RuntimeError, match="host optimizer step failed"):
+        mgr.detach()
+    assert not mgr.stepper._thread.is_alive()
+    with pytest.raises(RuntimeError, match="was detached"):  # the teardown ran: nothing is left to retry
+        mgr.detach()
+    OffloadTrainingManager(model, "cpu", enable_optimizer_cpu_offload=True).detach()  # the model is free again

@@ -91,3 +91,21 @@ def test_tensors_without_gradient_are_reported_left_out_and_resume_stays_exact(t
     assert not got["head.lora_B.default.weight"].any()  # LoRA B starts at zero and never moved
     saved = CheckpointManager(tmp_path / "resumed" / "checkpoints").load()
     assert saved["metadata"]["no_gradient"] == ["head.lora_A.default.weight", "head.lora_B.default.weight"]
+
+
+def test_a_nan_step_writes_no_host_weight_under_optimizer_offload(tmp_path):
+    """The bound host optimizer queues its steps only once the guard has seen every gradient:
+    a step started during backward (overlap_backward) would write NaN into the host weights."""
+    torch.manual_seed(0)
+    samples = toy_samples(6)
+    samples[0] = {**samples[0], "latents": torch.full_like(samples[0]["latents"], float("nan"))}
+    offload = OffloadSection(enable_model_cpu_offload=True, enable_optimizer_cpu_offload=True)
+    train = TrainSection(lora_rank=0, trainable_models=["transformer"], max_grad_norm=None, max_steps=6,
+                         save_steps=0, learning_rate=1e-2, seed=5, gradient_checkpointing=False)
+    result = Trainer(TOY_SPEC, ToyDiT(), samples, train, offload, tmp_path, progress=False).fit()
+    assert result.offload.stepper is not None  # the host optimizer was bound
+    losses = [row["loss"] for row in read_metrics(tmp_path / "metrics.csv")]
+    assert losses.count("nan") == 1
+    bad = [name for name, p in result.model.named_parameters() if not torch.isfinite(p).all()]
+    result.offload.detach()
+    assert bad == []

@@ -128,3 +128,42 @@ def test_ema_follows_its_recursion_over_the_trained_weights(tmp_path):
     assert all(torch.equal(v, raw[k]) for k, v in _lora_weights(result.model).items())  # restored after
     with pytest.raises(ValueError, match="decay"):
         EmaWeights(raw, 1.0)
+
+
+def test_epoch_end_callbacks_see_every_host_optimizer_step_done(tmp_path, monkeypatch):
+    """With the host optimizer bound, optimizer.step() only queues the host steps: the epoch-end
+    and checkpoint hooks (which export weights) run after the trainer waited for them."""
+    import time
+
+    from diffsynth_core.offload.host_optimizer import HostStepper
+
+    step_host = HostStepper._step
+
+    def slow_step(self, job):  # host steps still running when the loop moves on
+        time.sleep(0.05)
+        step_host(self, job)
+    monkeypatch.setattr(HostStepper, "_step", slow_step)
+
+    seen = []
+
+    class Watcher:
+        def __call__(self, step, model):
+            pass
+
+        def _record(self, model):
+            stepper = model._splitflow_offload_manager.stepper
+            seen.append(all(stepper.is_done(unit) for unit in stepper.subs))
+
+        def on_epoch_end(self, epoch, step, model, lora_config):
+            self._record(model)
+
+        def on_checkpoint(self, step, model, lora_config):
+            self._record(model)
+
+    offload = OffloadSection(enable_model_cpu_offload=True, enable_optimizer_cpu_offload=True)
+    train = TrainSection(lora_rank=0, trainable_models=["transformer"], max_steps=8, save_steps=0,
+                         learning_rate=1e-2, seed=5, gradient_checkpointing=False)
+    result = Trainer(TOY_SPEC, ToyDiT(), toy_samples(), train, offload, tmp_path, progress=False,
+                     callbacks=[Watcher()]).fit()
+    result.offload.detach()
+    assert seen == [True, True]  # the epoch end at step 6, the checkpoint at step 8
