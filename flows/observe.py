@@ -38,9 +38,13 @@ def stage_label(name: str, stage: str, part: int | None = None, parts: int | Non
     return f"{name}/{stage}"
 
 
+def base_tags(cfg: RunConfig, name: str) -> list[str]:
+    """The tags every run of ``name`` carries, deployments included (they serve later config edits: no hash)."""
+    return ["splitflow", f"run:{name}", f"family:{cfg.model.family}"]
+
+
 def run_tags(cfg: RunConfig, name: str, stage: str, part: int | None = None) -> list[str]:
-    tags = ["splitflow", f"run:{name}", f"family:{cfg.model.family}", f"config:{config_hash(cfg)}",
-            f"stage:{stage}"]
+    tags = base_tags(cfg, name) + [f"config:{config_hash(cfg)}", f"stage:{stage}"]
     return tags + ([f"part:{part}"] if part is not None else [])
 
 
