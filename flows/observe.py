@@ -181,10 +181,13 @@ def console(private_server: bool = False, debug: bool = False, api_url: str | No
     from prefect.logging.handlers import PrefectConsoleHandler
 
     ensure_logging_setup()  # Prefect configures its handlers lazily
-    if debug:
-        return
-    logging.raiseExceptions = False  # the stdlib's production setting: a log record that cannot be sent is dropped
+    if not debug:
+        logging.raiseExceptions = False  # the stdlib's production setting: a record that cannot be sent is dropped
     for logger in (logging.getLogger(), logging.getLogger("prefect")):
         for handler in logger.handlers:
             if isinstance(handler, PrefectConsoleHandler):
-                handler.addFilter(_FailureEchoFilter(private_server, api_url))
+                # One filter, this session's: an earlier verb in this process (tests, the demo) set its own.
+                for old in [f for f in handler.filters if isinstance(f, _FailureEchoFilter)]:
+                    handler.removeFilter(old)
+                if not debug:
+                    handler.addFilter(_FailureEchoFilter(private_server, api_url))
