@@ -31,6 +31,17 @@ def is_outage(err: BaseException) -> bool:
     return isinstance(err, (httpx.TransportError, OSError)) or "Failed to reach API" in str(err)
 
 
+def api_lost(err: BaseException, url: str | None) -> bool:
+    """Whether ``err`` is an outage of the API at ``url`` that its health confirms.
+
+    ``is_outage`` counts every OSError: one from the cache's disk or network (EIO, ECONNRESET)
+    while the API answers is the stage's failure, not Prefect's.
+    """
+    from .server import api_healthy
+
+    return is_outage(err) and bool(url) and not api_healthy(url)
+
+
 class PrefectApi:
     """One client for the coordinator's many small requests (a client per call costs CPU on both ends)."""
 

@@ -43,17 +43,23 @@ def _reference(args, extra, cfg: RunConfig) -> tuple[str, list[str]]:
     return str(saved.resolve()), []
 
 
+def _run_name(args, cfg: RunConfig) -> str:
+    """``--name``, else the config's name; with no CONFIG, the output folder's (``run_name``)."""
+    from flows.runconfig import run_name
+
+    return run_name(args.config or str(cfg.output_dir / "config.toml"), args.name)
+
+
 def _print(result) -> None:
     print(json.dumps(result, indent=2, default=str))
 
 
 def _run_stages(args, extra, stages: tuple[str, ...]) -> int:
     from flows.orchestrate import orchestrate
-    from flows.runconfig import run_name
 
     cfg = _config(args, extra)
     ref, overrides = _reference(args, extra, cfg)
-    name = run_name(args.config or str(cfg.output_dir / "config.toml"), args.name)  # no CONFIG: the output's name
+    name = _run_name(args, cfg)
     pools = {"preprocess": getattr(args, "preprocess_pool", None), "train": getattr(args, "train_pool", None)}
     _print(orchestrate(cfg, ref, overrides, name, stages, pools, args.debug))
     return 0
@@ -119,19 +125,21 @@ def cmd_resume(args, extra) -> int:
 
 def cmd_deploy(args, extra) -> int:
     from flows.orchestrate import prefect_session
-    from flows.runconfig import check_overrides, run_name
+    from flows.runconfig import check_overrides
     from flows.server import configured_api_url
 
     cfg = _config(args, extra)
-    ref, overrides = _reference(args, extra, cfg)
+    # Checked as orchestrate does, before prefect_session may wait api_grace_s for the API.
     if not (args.preprocess_pool and args.train_pool):
         raise ConfigError("deploy needs --preprocess-pool and --train-pool (work pools; see docs/orchestration.md)")
-    with prefect_session(cfg, configured_api_url(), True, args.debug):
+    url = configured_api_url()  # before PREFECT_HOME moves: the user's profile may name their server
+    ref, overrides = _reference(args, extra, cfg)
+    check_overrides(overrides)  # overrides become deployment parameters: no credentials there
+    with prefect_session(cfg, url, True, args.debug):
         from flows.deployments import deploy  # imports Prefect: after prefect_session set its home
 
         pools = {"preprocess": args.preprocess_pool, "train": args.train_pool}
-        _print(deploy(cfg, ref, check_overrides(overrides), run_name(args.config, args.name), pools,
-                      args.control_pool))
+        _print(deploy(cfg, ref, overrides, _run_name(args, cfg), pools, args.control_pool))
     return 0
 
 

@@ -91,7 +91,7 @@ def deploy(cfg: RunConfig, config: str | None, overrides: list[str], name: str, 
     ``cfg`` is the config ``config`` and ``overrides`` load (the caller's, not loaded again).
     Pools that do not exist are created (type process); the caller sets their limits.
     """
-    from .observe import run_tags
+    from .observe import base_tags
 
     parameters = {"config": config, "overrides": list(overrides), "name": name}
     plan = [(flow_of, pools[stage], {**parameters, "part": 0} if stage == "preprocess" else parameters)
@@ -104,7 +104,7 @@ def deploy(cfg: RunConfig, config: str | None, overrides: list[str], name: str, 
     for stage_flow, pool, defaults in plan:
         source = flow.from_source(source=str(PROJECT_ROOT), entrypoint=f"{ENTRYPOINT}:{stage_flow.fn.__name__}")
         # Runs inherit these tags; the coordinator adds each stage run's own (stage, part, attempt).
-        tags = run_tags(cfg, name, "coordinate")[:3] + (["stage:coordinate"] if stage_flow is coordinate_flow else [])
+        tags = base_tags(cfg, name) + (["stage:coordinate"] if stage_flow is coordinate_flow else [])
         with contextlib.redirect_stdout(io.StringIO()):  # Prefect prints a table; the CLI prints JSON
             deployment_id = source.deploy(name=name, work_pool_name=pool, parameters=defaults, tags=tags,
                                           description=f"splitflow run {name}: {config}", print_next_steps=False,

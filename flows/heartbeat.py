@@ -96,12 +96,17 @@ def train_heartbeat(cfg: RunConfig, name: str) -> Heartbeat:
     seen = {"step": 0, "total": None}
 
     def progress() -> float:
-        if seen["total"] is None:  # keyed once (digests are remembered), in the beat's thread
-            seen["total"] = work_left(cfg).total_steps
+        if seen["total"] is None:  # once, in the beat's thread; max_steps spares reading the cache
+            try:
+                seen["total"] = cfg.train.max_steps or work_left(cfg).total_steps
+            except Exception as err:  # noqa: BLE001 -- the stage reports it; the beat goes on without a total
+                logging.getLogger(__name__).debug("heartbeat: total steps unknown: %s", err)
+                seen["total"] = 0
         step, loss = train_progress(cfg)
         if step != seen["step"]:
             seen["step"] = step
-            logger.info("%s: step %d of %d, loss %.4g", label, step, seen["total"], loss)
+            of_total = f" of {seen['total']}" if seen["total"] else ""
+            logger.info("%s: step %d%s, loss %.4g", label, step, of_total, loss)
         return _percent(step, seen["total"])
 
     return Heartbeat(artifact_key(name, "train-progress"), f"{label}: steps done", progress,

@@ -38,9 +38,13 @@ def stage_label(name: str, stage: str, part: int | None = None, parts: int | Non
     return f"{name}/{stage}"
 
 
+def base_tags(cfg: RunConfig, name: str) -> list[str]:
+    """The tags every run of ``name`` carries, deployments included (they serve later config edits: no hash)."""
+    return ["splitflow", f"run:{name}", f"family:{cfg.model.family}"]
+
+
 def run_tags(cfg: RunConfig, name: str, stage: str, part: int | None = None) -> list[str]:
-    tags = ["splitflow", f"run:{name}", f"family:{cfg.model.family}", f"config:{config_hash(cfg)}",
-            f"stage:{stage}"]
+    tags = base_tags(cfg, name) + [f"config:{config_hash(cfg)}", f"stage:{stage}"]
     return tags + ([f"part:{part}"] if part is not None else [])
 
 
@@ -148,25 +152,26 @@ class _FailureEchoFilter(logging.Filter):
     could not send while the API was away).  A bug's traceback stays on the console.
     """
 
-    def __init__(self, private_server: bool):
+    def __init__(self, private_server: bool, api_url: str | None = None):
         super().__init__()
+        self.api_url = api_url  # an outage only when the API is down too (flows/_prefect.api_lost)
         self.echoes = ("Finished in state Failed", "Finished in state Crashed")
         if private_server:  # its links die with the verb
             self.echoes += ("View at http",)
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from ._prefect import is_outage
+        from ._prefect import api_lost
 
         if record.name.startswith(("prefect.events", "prefect._internal")):
             return False  # Prefect's event plumbing: events it could not send (an outage), not the run's story
         exc = record.exc_info[1] if record.exc_info else None
         if exc is not None:
-            return classify(exc) is None and not is_outage(exc)
+            return classify(exc) is None and not api_lost(exc, self.api_url)
         message = record.getMessage() if record.name.startswith(("prefect.flow_runs", "prefect.task_runs")) else ""
         return not message.startswith(self.echoes)
 
 
-def console(private_server: bool = False, debug: bool = False) -> None:
+def console(private_server: bool = False, debug: bool = False, api_url: str | None = None) -> None:
     """Set up Prefect's console for a CLI verb: no echo of failures the verb reports in one line.
 
     The records still reach the run's logs (the API handler sits on other loggers), where a
@@ -176,10 +181,13 @@ def console(private_server: bool = False, debug: bool = False) -> None:
     from prefect.logging.handlers import PrefectConsoleHandler
 
     ensure_logging_setup()  # Prefect configures its handlers lazily
-    if debug:
-        return
-    logging.raiseExceptions = False  # the stdlib's production setting: a log record that cannot be sent is dropped
+    if not debug:
+        logging.raiseExceptions = False  # the stdlib's production setting: a record that cannot be sent is dropped
     for logger in (logging.getLogger(), logging.getLogger("prefect")):
         for handler in logger.handlers:
             if isinstance(handler, PrefectConsoleHandler):
-                handler.addFilter(_FailureEchoFilter(private_server))
+                # One filter, this session's: an earlier verb in this process (tests, the demo) set its own.
+                for old in [f for f in handler.filters if isinstance(f, _FailureEchoFilter)]:
+                    handler.removeFilter(old)
+                if not debug:
+                    handler.addFilter(_FailureEchoFilter(private_server, api_url))

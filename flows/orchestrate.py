@@ -18,7 +18,7 @@ from stages.config import ConfigError, RunConfig
 from stages.status import CacheView, disk_state, read_cache, summary_from_disk, work_left
 
 from .runconfig import check_overrides
-from .server import ApiSession, api_healthy, configured_api_url
+from .server import ApiSession, configured_api_url
 
 
 def orchestrate(cfg: RunConfig, ref: str | None, overrides: list[str], name: str, stages: tuple[str, ...],
@@ -66,12 +66,12 @@ def _check_lora_targets(cfg: RunConfig, stages: tuple[str, ...]) -> None:
 @contextlib.contextmanager
 def _outage_as_one_line(cfg: RunConfig, url: str):
     """The Prefect API lost under the flows (its client retried for about the grace period): say so."""
-    from ._prefect import is_outage
+    from ._prefect import api_lost
 
     try:
         yield
     except Exception as err:
-        if not is_outage(err) or api_healthy(url):
+        if not api_lost(err, url):
             raise
         raise EnvironmentFailure(
             f"Prefect API at {url} unreachable (its client gave up after about orchestration.api_grace_s = "
@@ -116,7 +116,7 @@ def prefect_session(cfg: RunConfig, url: str | None, shared: bool, debug: bool):
 
         from .observe import console, flush_run_logs
 
-        console(private_server=session.server is not None, debug=debug)
+        console(private_server=session.server is not None, debug=debug, api_url=session.url)
         retries = client_retries(cfg.orchestration.api_grace_s)  # an outage is waited out for the grace period
         with temporary_settings(updates={PREFECT_API_URL: session.ready(), PREFECT_CLIENT_MAX_RETRIES: retries}):
             try:

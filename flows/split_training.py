@@ -21,7 +21,7 @@ from stages import preprocess as preprocess_stage
 from stages import train as train_stage
 from stages.config import RunConfig
 
-from ._prefect import is_outage
+from ._prefect import api_lost
 from .artifacts import part_table, train_report
 from .heartbeat import train_heartbeat
 from .observe import forwarded_logs, stage_label
@@ -30,8 +30,10 @@ from .runconfig import load_run_config
 
 def _retryable(task, task_run, state) -> bool:
     """Input errors never; nor a lost Prefect API (only the report failed; the CLI says so once)."""
+    from prefect.settings import PREFECT_API_URL
+
     error = state.result(raise_on_failure=False)
-    return is_retryable(error) and not is_outage(error)
+    return is_retryable(error) and not api_lost(error, PREFECT_API_URL.value())
 
 
 def _with_retries(stage_task, retries: int):

@@ -66,10 +66,10 @@ class Cluster:
         home = Path(self.env["PREFECT_HOME"])
         home.mkdir(parents=True, exist_ok=True)
         _seed_database(home)
-        log = open(self.root / "server.log", "ab")
-        self.server = subprocess.Popen([BIN / "prefect", "server", "start", "--host", "127.0.0.1", "--port",
-                                        str(self.port), "--no-ui"], env=self.env, stdout=log,
-                                       stderr=subprocess.STDOUT, start_new_session=True)
+        with open(self.root / "server.log", "ab") as log:  # the child keeps its own descriptor
+            self.server = subprocess.Popen([BIN / "prefect", "server", "start", "--host", "127.0.0.1", "--port",
+                                            str(self.port), "--no-ui"], env=self.env, stdout=log,
+                                           stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while not api_healthy(self.url, timeout=1.0):
             assert self.server.poll() is None, (self.root / "server.log").read_text()[-2000:]
@@ -105,10 +105,10 @@ class Cluster:
 
     # -- workers and CLI runs ----------------------------------------------------------------------
     def start_worker(self, pool: str) -> subprocess.Popen:
-        log = open(self.root / f"worker-{pool}.log", "ab")
-        worker = subprocess.Popen([BIN / "prefect", "worker", "start", "--pool", pool, "--type", "process"],
-                                  env=self.env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+        with open(self.root / f"worker-{pool}.log", "ab") as log:
+            worker = subprocess.Popen([BIN / "prefect", "worker", "start", "--pool", pool, "--type", "process"],
+                                      env=self.env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
         self.workers[pool] = worker
         return worker
 

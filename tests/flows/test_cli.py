@@ -70,3 +70,17 @@ def test_a_flow_loads_its_config_from_a_url(tmp_path):
     assert cfg.train.learning_rate == 0.25 and cfg.train.max_steps == 3
     assert run_name("memory://configs/run.toml") == "configs"
     assert run_name(str(tmp_path / "qwen lora.toml")) == "qwen-lora" and run_name(None, "x/y") == "x-y"
+
+
+def test_deploy_refuses_storage_options_overrides_before_waiting_for_the_api(tmp_path):
+    """The check comes first: no wait of orchestration.api_grace_s for a server that is not there."""
+    from flows.server import _free_port
+
+    path = tmp_path / "run.toml"
+    path.write_text("[train]\nlearning_rate = 0.1\n\n[orchestration]\napi_grace_s = 600\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_HOME", "PREFECT_PROFILE")}
+    env["PREFECT_API_URL"] = f"http://127.0.0.1:{_free_port()}/api"  # nothing listens there
+    run = subprocess.run([sys.executable, "-m", "flows.cli", "deploy", str(path), "--preprocess-pool", "cheap",
+                          "--train-pool", "big", "--set", 'cache.storage_options={key="x"}'], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "cache.storage_options" in run.stderr, run.stderr

@@ -1,0 +1,22 @@
+"""The CLI's console set-up, repeated in one process (tests, the demo): one echo filter per handler."""
+
+import logging
+
+from flows.observe import _FailureEchoFilter, console
+
+
+def _echo_filters() -> list[int]:
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    handlers = [h for logger in (logging.getLogger(), logging.getLogger("prefect")) for h in logger.handlers
+                if isinstance(h, PrefectConsoleHandler)]
+    return [sum(isinstance(f, _FailureEchoFilter) for f in h.filters) for h in handlers]
+
+
+def test_each_session_leaves_one_echo_filter_and_debug_none():
+    console(private_server=True)
+    console(private_server=False, api_url="http://127.0.0.1:4200/api")
+    counts = _echo_filters()
+    assert counts and set(counts) == {1}
+    console(debug=True)
+    assert set(_echo_filters()) == {0}
