@@ -5,7 +5,8 @@
 #   bench/h200_session.sh e2e                   # splitflow run, full-depth Qwen-Image folder
 #   bench/h200_session.sh peak MUSUBI_FILE       # issue-12 peaks: GPU tests, stack rows (+ offloaded
 #                                                # block inputs), Qwen-Image 20B fp8 under 16 GB
-#                                                # (PROFILE_STEP=6: where each row's step 7 waits)
+#                                                # (PROFILE_STEP=6: where each row's step 7 waits;
+#                                                #  ROWS=none skips the stack rows)
 # MUSUBI_FILE is musubi-tuner's src/musubi_tuner/modules/custom_offloading_utils.py (not shipped here).
 # JSON lands in $OUT (default ./h200-out) under the names bench/summarise_h200.py and bench/results/README.md
 # use; each step has its own time limit inside one overall deadline.
@@ -28,8 +29,10 @@ peak)
   timeout 60 python3 -m pytest -q -p no:cacheprovider -k "not nccl and not optimizer" \
     tests/core/offload/test_offload_gpu.py tests/core/gradient/test_activation_offload_gpu.py \
     > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
-  timeout 150 python3 -m bench.side_by_side --musubi-file "$2" --out "$OUT/side_by_side_peak_h200.json" \
-    --rows "${ROWS:-streamed,fp8_streamed,streamed_act,budget_12_of_24_act}" > /dev/null
+  if [ "${ROWS:-}" != none ]; then  # ROWS=none: only the Qwen-Image rows
+    timeout 150 python3 -m bench.side_by_side --musubi-file "$2" --out "$OUT/side_by_side_peak_h200.json" \
+      --rows "${ROWS:-streamed,fp8_streamed,streamed_act,budget_12_of_24_act}" > /dev/null
+  fi
   if [ "$(left)" -ge 110 ]; then  # resident + fp8 under 16 GB, ~50 s a row
     timeout "$(left)" python3 -m bench.offload --cases widen,qwen20b --qwen-rows "${QWEN_ROWS:-fp8_budget_16gb}" \
       --profile-step "${PROFILE_STEP:-0}" \

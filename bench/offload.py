@@ -192,7 +192,10 @@ class StepProfiler:
 
 
 def trace_summary(trace: dict) -> dict:
-    """Per stream: busy ms (overlaps counted once), event count, top names by total ms."""
+    """Per stream: busy ms (overlaps counted once), event count, top names by total ms.  For the
+    busiest stream (the compute stream) also its idle gaps: the largest ones with the kernels either
+    side, how busy each other stream was inside all gaps, and which CUDA runtime calls the host sat
+    in meanwhile (a long ``cudaEventSynchronize`` there means the host waited, not the GPU)."""
     events = [e for e in trace.get("traceEvents", [])
               if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
     if not events:
@@ -202,20 +205,56 @@ def trace_summary(trace: dict) -> dict:
     streams: dict[str, list[dict]] = {}
     for e in events:
         streams.setdefault(str(e.get("args", {}).get("stream", e.get("tid"))), []).append(e)
-    out = {}
+    out, spans = {}, {}
     for sid, evs in streams.items():
-        busy, end = 0.0, float("-inf")
-        for e in sorted(evs, key=lambda e: e["ts"]):  # union of intervals
-            lo, hi = max(e["ts"], end), e["ts"] + e["dur"]
-            if hi > lo:
-                busy += hi - lo
-            end = max(end, hi)
+        spans[sid] = _union(evs)
         names: dict[str, float] = {}
         for e in evs:
             names[e["name"][:80]] = names.get(e["name"][:80], 0.0) + e["dur"]
         top = sorted(names.items(), key=lambda kv: -kv[1])[:5]
-        out[sid] = {"busy_ms": busy / 1e3, "events": len(evs), "top_ms": [[n, round(d / 1e3, 2)] for n, d in top]}
-    return {"window_ms": window / 1e3, "streams": out}
+        out[sid] = {"busy_ms": sum(hi - lo for lo, hi, _, _ in spans[sid]) / 1e3, "events": len(evs),
+                    "top_ms": [[n, round(d / 1e3, 2)] for n, d in top]}
+    compute = max(out, key=lambda sid: out[sid]["busy_ms"])
+    runtime = [e for e in trace.get("traceEvents", []) if e.get("cat") == "cuda_runtime" and "dur" in e]
+    return {"window_ms": window / 1e3, "compute_stream": compute, "streams": out,
+            "compute_gaps": _gaps(spans, compute, runtime)}
+
+
+def _union(evs: list[dict]) -> list[tuple]:
+    """Merged busy intervals (lo, hi, first name, last name) of one stream's events."""
+    merged: list[list] = []
+    for e in sorted(evs, key=lambda e: e["ts"]):
+        lo, hi = e["ts"], e["ts"] + e["dur"]
+        if merged and lo <= merged[-1][1]:
+            if hi > merged[-1][1]:
+                merged[-1][1], merged[-1][3] = hi, e["name"][:60]
+        else:
+            merged.append([lo, hi, e["name"][:60], e["name"][:60]])
+    return [tuple(m) for m in merged]
+
+
+def _overlap(spans, lo: float, hi: float) -> float:
+    return sum(max(0.0, min(hi, b) - max(lo, a)) for a, b, *_ in spans)
+
+
+def _gaps(spans: dict, compute: str, runtime: list[dict], min_us: float = 100.0) -> dict:
+    busy = spans[compute]
+    gaps = [(busy[i][1], busy[i + 1][0], busy[i][3], busy[i + 1][2]) for i in range(len(busy) - 1)
+            if busy[i + 1][0] - busy[i][1] >= min_us]
+    others = {sid: round(sum(_overlap(s, lo, hi) for lo, hi, *_ in gaps) / 1e3, 2)
+              for sid, s in spans.items() if sid != compute}
+    host: dict[str, float] = {}
+    for e in runtime:
+        inside = sum(max(0.0, min(hi, e["ts"] + e["dur"]) - max(lo, e["ts"])) for lo, hi, *_ in gaps)
+        if inside:
+            host[e["name"]] = host.get(e["name"], 0.0) + inside
+    largest = sorted(gaps, key=lambda g: g[0] - g[1])[:12]
+    return {"count": len(gaps), "total_ms": round(sum(hi - lo for lo, hi, *_ in gaps) / 1e3, 2),
+            "other_streams_busy_in_gaps_ms": others,
+            "host_runtime_in_gaps_ms": sorted([[n, round(d / 1e3, 2)] for n, d in host.items()],
+                                              key=lambda nd: -nd[1])[:6],
+            "largest": [{"ms": round((hi - lo) / 1e3, 2), "after": a, "before": b,
+                         "at_ms": round((lo - busy[0][0]) / 1e3, 1)} for lo, hi, a, b in largest]}
 
 
 def qwen_rows(rows: dict[str, list[str]], timeout: int) -> dict:

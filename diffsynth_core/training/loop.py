@@ -23,6 +23,7 @@ from torch import nn
 from ..models.base import FamilySpec
 from .batching import collate, latent_shapes, with_empty_prompt
 from .checkpoint import CheckpointManager
+from .collector import frozen_heap
 from .ema import EmaWeights
 from .flow_matching import flow_matching_loss, loss_weight, noisy_latents, sample_sigmas, velocity_target
 from .guards import GradientCoverage, NonFiniteGuard, exclude_from_optimizer, grad_norm
@@ -130,25 +131,26 @@ class Trainer:
         losses: list[float] = []
         bar = self._progress_bar(step, total)
         epochs_done = _epochs_completed(sampler)
-        while step < total:
-            started = time.perf_counter()
-            result = self.optimizer_step(prepared, sampler, step + 1)
-            if ema is not None:
-                ema.update(prepared.trainable)
-            step += 1
-            losses.append(result.loss)
-            self._report(metrics, bar, step, sampler, prepared, result, time.perf_counter() - started)
-            saving = step == total or (self.train.save_steps and step % self.train.save_steps == 0)
-            ended = range(epochs_done, _epochs_completed(sampler))
-            if prepared.offload is not None and (saving or ended):
-                prepared.offload.sync()  # checkpoints and exports read the weights: queued host steps first
-            if saving:
-                self._save(prepared, sampler, step, ema)
-                self._notify("on_checkpoint", step, prepared.model, prepared.lora_config)
-            for epoch in ended:
-                self._notify("on_epoch_end", epoch, step, prepared.model, prepared.lora_config)
-            epochs_done = _epochs_completed(sampler)
-            self._notify("__call__", step, prepared.model)
+        with frozen_heap():  # no full collection pauses a step (collector.py)
+            while step < total:
+                started = time.perf_counter()
+                result = self.optimizer_step(prepared, sampler, step + 1)
+                if ema is not None:
+                    ema.update(prepared.trainable)
+                step += 1
+                losses.append(result.loss)
+                self._report(metrics, bar, step, sampler, prepared, result, time.perf_counter() - started)
+                saving = step == total or (self.train.save_steps and step % self.train.save_steps == 0)
+                ended = range(epochs_done, _epochs_completed(sampler))
+                if prepared.offload is not None and (saving or ended):
+                    prepared.offload.sync()  # checkpoints and exports read the weights: queued host steps first
+                if saving:
+                    self._save(prepared, sampler, step, ema)
+                    self._notify("on_checkpoint", step, prepared.model, prepared.lora_config)
+                for epoch in ended:
+                    self._notify("on_epoch_end", epoch, step, prepared.model, prepared.lora_config)
+                epochs_done = _epochs_completed(sampler)
+                self._notify("__call__", step, prepared.model)
         if bar is not None:
             bar.close()
         if metrics is not None:

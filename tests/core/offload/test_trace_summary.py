@@ -1,0 +1,25 @@
+"""bench.offload's profile summary: what it says the compute stream waited for, on a hand-made trace
+in the format ``torch.profiler`` exports (kernel/gpu_memcpy events with a stream, cuda_runtime calls)."""
+from bench.offload import trace_summary
+
+
+def _kernel(name, ts, dur, stream, cat="kernel"):
+    return {"cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+
+def test_compute_gaps_name_their_neighbours_and_what_ran_meanwhile():
+    trace = {"traceEvents": [
+        _kernel("gemm_a", 0, 1000, 7), _kernel("gemm_b", 800, 700, 7),      # overlap: one busy span
+        _kernel("gemm_c", 2500, 1000, 7),                                     # 1000 us gap before it
+        _kernel("gemm_d", 3550, 50, 7),                                       # 50 us gap: below the floor
+        _kernel("Memcpy HtoD", 1400, 800, 13, cat="gpu_memcpy"),             # 700 us of it inside the gap
+        {"cat": "cuda_runtime", "name": "cudaEventSynchronize", "ts": 1600, "dur": 2000},
+    ]}
+    out = trace_summary(trace)
+    assert out["compute_stream"] == "7"
+    assert out["streams"]["7"]["busy_ms"] == 2.55 and out["window_ms"] == 3.6
+    gaps = out["compute_gaps"]
+    assert gaps["count"] == 1 and gaps["total_ms"] == 1.0
+    assert gaps["largest"] == [{"ms": 1.0, "after": "gemm_b", "before": "gemm_c", "at_ms": 1.5}]
+    assert gaps["other_streams_busy_in_gaps_ms"] == {"13": 0.7}
+    assert gaps["host_runtime_in_gaps_ms"] == [["cudaEventSynchronize", 0.9]]
