@@ -151,7 +151,7 @@ def qwen_worker(a) -> dict:
     if result.offload is not None:
         rep = result.offload.report()
         out.update({k: rep[k] for k in ("budget_units", "compact_units", "streamed_units", "stalls", "pinned",
-                                          "device_widenings", "h2d_copies")},
+                                          "device_widenings", "staged_ahead", "h2d_copies")},
                    arena_gb=rep["arena_bytes"] / GB, planned_h2d_gb_per_step=(rep["planned_h2d_bytes_per_step"] or 0) / GB,
                    h2d_gb_per_step=rep["last_step_h2d_bytes"] / GB, planned_peak_gb=(rep["planned_peak_bytes"] or 0) / GB,
                    budget_gb=(rep["budget_bytes"] or 0) / GB)

@@ -146,7 +146,7 @@ class OffloadTrainingManager:
         self.sched = SuccessorSchedule()
         if self.plan.blocks:  # blocks run in list order: prefetch from the very first step
             self.sched.seed([u.index for u in self.plan.units])
-        self._streamed_ids = {u.index for u in self.plan.streamed}
+        self._set_streamed()
         self._order: list[int] = []  # streamed units in the order their forward first ran this step
         self._order_seen: set[int] = set()
         self._by_index = {u.index: u for u in self.plan.units}
@@ -155,6 +155,13 @@ class OffloadTrainingManager:
         self._forward_uses: dict[int, int] = {}
         self._uses: list[int] | None = [] if self.budget is not None else None  # recorded in step 1
         self._step_bytes_start = 0
+
+    def _set_streamed(self) -> None:
+        """Units that go through the slots, and among them those that cross PCIe each use in
+        another dtype (their copies are staged ahead; compact ones are on the device already)."""
+        self._streamed_ids = {u.index for u in self.plan.streamed}
+        compact = {u.index for u in self.plan.compact}
+        self._copied_ids = {u.index for u in self.plan.streamed if u.casts and u.index not in compact}
 
     def _make_averager(self, data_parallel: bool | None) -> GradAverager | None:
         multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -224,6 +231,12 @@ class OffloadTrainingManager:
                 slot = streamer.home_slot(nxt, keep)
                 if slot is not None:
                     self._load(nxt, k[1], slot)
+        if self._copied_ids:  # copies of units stored in another dtype run ahead of their slots
+            for k in self.sched.window(key, len(streamer.stages), self._copied_ids):
+                if len(streamer.staged) >= len(streamer.stages) or not (
+                        self.stepper is None or self.stepper.is_done(k[0])):
+                    break  # no staging buffer free, or copies would start out of order
+                streamer.stage_ahead(self._by_index[k[0]])
         self.stats["max_loaded"] = max(self.stats["max_loaded"], len(streamer.slot_of))
 
     def _load(self, unit, phase: str, slot) -> None:
@@ -255,7 +268,7 @@ class OffloadTrainingManager:
         plan = plan_residency(self.plan.units, self._uses, len(self.streamer.slots), room)
         self.streamer.evict_all()
         self.plan.set_budget(plan.resident, self.streamer, plan.compact)
-        self._streamed_ids = {u.index for u in self.plan.streamed}
+        self._set_streamed()
         self.streamer.rehome([i for i in forward_order(self._uses) if i in self._streamed_ids])
         self._order, self._order_seen = [], set()
         self.budget.planned_peak += sum(u.dev_bytes for u in plan.resident) + sum(u.host_bytes for u in plan.compact)
@@ -387,6 +400,7 @@ class OffloadTrainingManager:
                 "slots": len(self.streamer.slots) if self.streamer else 0,
                 "h2d_copies": self.streamer.copies if self.streamer else 0,
                 "device_widenings": self.streamer.widenings if self.streamer else 0,
+                "staged_ahead": self.streamer.staged_ahead if self.streamer else 0,
                 "h2d_bytes": self.streamer.bytes if self.streamer else 0,
                 "stalls": self.streamer.stalls if self.streamer else 0,
                 "d2h_grad_bytes": self.grad_sink.d2h_bytes if self.grad_sink else 0,

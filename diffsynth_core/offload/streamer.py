@@ -12,7 +12,10 @@ those views read the right bytes again.  On CUDA the copy runs on a private
 stream that first waits for the slot's ``free`` event (the compute that last read the slot), and the
 compute stream waits for the unit's ``ready`` event before using it.  A unit stored in another
 dtype (fp8) is copied into one of two staging buffers and widened into its slot on a third stream,
-so the copy engine never waits for the widening (which shares the SMs with compute).  On a CPU
+so the copy engine never waits for the widening (which shares the SMs with compute).  Such a
+unit's copy may also be *staged ahead* (``stage_ahead``), before its slot is free: with compact
+units between streamed ones in the slot ring, the copy engine then runs as far ahead as the staging
+buffers allow instead of as far as the slots do.  On a CPU
 target the same code runs with synchronous copies, which is what the CPU tests exercise.
 """
 
@@ -58,6 +61,7 @@ class Streamer:
                        for _ in range(stage_count(device) if stage else 0)]
         self.stage_free: list[object | None] = [None] * len(self.stages)  # widening done reading it
         self.next_stage = 0
+        self.staged: dict[int, tuple[int, object]] = {}  # unit -> (stage, copy landed): not yet widened
         self.widen_stream = torch.cuda.Stream(device) if self.cuda and self.stages else None
         self.slots = [Slot(i, torch.empty(size, dtype=torch.uint8, device=device))
                       for i in range(n_slots if units else 0)]
@@ -66,6 +70,7 @@ class Streamer:
         self.stored: dict[int, torch.Tensor] = {}
         self.copies = 0  # host->device copies
         self.widenings = 0  # loads widened from a device copy (no host->device copy)
+        self.staged_ahead = 0  # copies started before their slot was free (``stage_ahead``)
         self.stalls = 0  # uses that found their copy still in flight (telemetry, CUDA only)
         self.bytes = 0
 
@@ -97,16 +102,19 @@ class Streamer:
         # Copy and widening run on different streams: the next write into the slot waits for both
         # the compute that read it and the last write, which compute may never have waited for.
         after = [e for e in (slot.free_event, slot.landed) if e is not None]
+        if unit.index in self.stored:
+            self.widenings += 1
+        elif unit.index not in self.staged:  # a copy staged ahead was counted when it started
+            self._count_copy(unit)
         self.ready[unit.index] = slot.landed = self._copy(unit, slot.buf, views, after)
         for rec, view in zip(unit.tensors, views):
             rec.param.data = view
         slot.occupant = unit
         self.slot_of[unit.index] = slot
-        if unit.index in self.stored:
-            self.widenings += 1
-        else:
-            self.copies += 1
-            self.bytes += unit.host_bytes
+
+    def _count_copy(self, unit: Unit) -> None:
+        self.copies += 1
+        self.bytes += unit.host_bytes
 
     def _copy(self, unit: Unit, buf: torch.Tensor, views: list[torch.Tensor], after=()):
         """Land ``unit`` in ``buf`` once the events ``after`` (what last used it) have passed;
@@ -124,26 +132,49 @@ class Streamer:
             else:
                 buf.narrow(0, 0, unit.host_bytes).copy_(src)
             return None
-        with torch.cuda.stream(self.copy_stream):
-            if not unit.casts:  # identical layouts: one copy lands every tensor in place
+        if not unit.casts:  # identical layouts: one copy lands every tensor in place
+            with torch.cuda.stream(self.copy_stream):
                 for event in after:
                     self.copy_stream.wait_event(event)
                 buf.narrow(0, 0, unit.host_bytes).copy_(src, non_blocking=True)
                 return self.copy_stream.record_event()
-            i = self.next_stage
-            self.next_stage = (i + 1) % len(self.stages)
-            if self.stage_free[i] is not None:  # its last widening has read it
-                self.copy_stream.wait_event(self.stage_free[i])
-            stage = self.stages[i].narrow(0, 0, unit.host_bytes)
-            stage.copy_(src, non_blocking=True)
-            copied = self.copy_stream.record_event()
+        i, copied = self.staged.pop(unit.index, None) or self._copy_to_stage(unit, src)
         with torch.cuda.stream(self.widen_stream):
             self.widen_stream.wait_event(copied)
             for event in after:
                 self.widen_stream.wait_event(event)
-            self._widen(unit, stage, views)
+            self._widen(unit, self.stages[i].narrow(0, 0, unit.host_bytes), views)
             self.stage_free[i] = done = self.widen_stream.record_event()
         return done
+
+    def _copy_to_stage(self, unit: Unit, src: torch.Tensor) -> tuple[int, object]:
+        """Copy ``unit``'s stored bytes into a staging buffer (CUDA); returns (stage, landed event).
+        A stage still holding a unit staged ahead is passed over while another is free; if none is,
+        the oldest such copy is given up (it is copied again when needed)."""
+        held = {i for i, _ in self.staged.values()}
+        n = len(self.stages)
+        i = next((j % n for j in range(self.next_stage, self.next_stage + n) if j % n not in held), self.next_stage)
+        for k in [k for k, (j, _) in self.staged.items() if j == i]:
+            del self.staged[k]
+        self.next_stage = (i + 1) % n
+        with torch.cuda.stream(self.copy_stream):
+            if self.stage_free[i] is not None:  # its last widening has read it
+                self.copy_stream.wait_event(self.stage_free[i])
+            self.stages[i].narrow(0, 0, unit.host_bytes).copy_(src, non_blocking=True)
+            return i, self.copy_stream.record_event()
+
+    def stage_ahead(self, unit: Unit) -> bool:
+        """Start the host->device copy of ``unit`` (stored in another dtype, streamed) into a free
+        staging buffer now, before its slot is free; its load then only widens.  ``False`` when
+        there is nothing to do or no staging buffer is free (CUDA only: elsewhere copies are
+        synchronous, and a slot-less copy would gain nothing)."""
+        if (not self.cuda or not unit.casts or unit.index in self.stored or unit.index in self.staged
+                or unit.index in self.slot_of or len(self.staged) >= len(self.stages)):
+            return False
+        self._count_copy(unit)
+        self.staged_ahead += 1
+        self.staged[unit.index] = self._copy_to_stage(unit, self.arena.region(unit.host_offset, unit.host_bytes))
+        return True
 
     def _widen_on_device(self, unit: Unit, stored: torch.Tensor, views: list[torch.Tensor], after):
         if not self.cuda:
@@ -160,6 +191,8 @@ class Streamer:
         dropping the copies of units no longer listed; loads of these widen from there."""
         wanted = {u.index for u in units}
         self._after_compute()
+        for i in [i for i in self.staged if i in wanted]:  # widened from the device copy from now on
+            del self.staged[i]
         for i in [i for i in self.stored if i not in wanted]:
             buf = self.stored.pop(i)
             if self.cuda:  # widenings still queued may read it

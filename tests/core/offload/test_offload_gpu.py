@@ -186,6 +186,39 @@ def test_budget_keeps_the_peak_under_it_and_plans_the_bytes_it_copies():
     mgr.detach()
 
 
+def test_fp8_copies_staged_ahead_of_compact_units_train_bitwise_like_all_streamed():
+    """Compact (fp8 kept on the device) units between streamed ones: the streamed units' copies
+    start ahead of their slots (``stage_ahead``); the run must equal the all-streamed one bit for bit
+    and copy exactly the planned bytes."""
+    runs, peak = [], None
+    for budget in (False, True):
+        torch.manual_seed(0)
+        model = add_lora(ToyStack(d=512, n=8).to(torch.bfloat16), ["up", "down"])
+        model.offset = model.offset.to(CUDA, torch.bfloat16)
+        apply_gradient_checkpointing(model, ("blocks",))
+        opts = dict(storage_dtype=torch.float8_e4m3fn, trainable_dtype=torch.float32, poison_evicted=True)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        if budget:  # the all-streamed step's peak, plus room for four blocks as stored
+            unit_host = sum(p.numel() for p in model.blocks[0].parameters() if not p.requires_grad)  # fp8 codes
+            opts["vram_budget_gb"] = (peak + 4.5 * unit_host) / 2**30
+        mgr = OffloadTrainingManager(model, CUDA, **opts)
+        x = torch.randn(64, 512, device=CUDA, dtype=torch.bfloat16, generator=torch.Generator(CUDA).manual_seed(1))
+        runs.append(train(model, 5, lambda s, m: model(x + s).float().pow(2).mean(), mgr))
+        torch.cuda.synchronize()
+        rep = mgr.report()
+        if budget:
+            assert rep["compact_units"] >= 3 and rep["budget_units"] == 0
+            assert rep["staged_ahead"] > 0 and rep["device_widenings"] > 0
+            assert rep["planned_h2d_bytes_per_step"] == rep["last_step_h2d_bytes"]
+        else:
+            peak = torch.cuda.max_memory_allocated()
+        mgr.detach()
+    (la, ga), (lb, gb) = runs
+    assert all(torch.equal(a, b) for a, b in zip(la, lb))
+    assert all(torch.equal(a, b) for sa, sb in zip(ga, gb) for a, b in zip(sa, sb))
+
+
 def test_bound_optimizer_on_cuda_matches_stepping_after_backward():
     def run(bind):
         torch.manual_seed(0)
