@@ -62,9 +62,7 @@ class Streamer:
         self.stage_free: list[object | None] = [None] * len(self.stages)  # widening done reading it
         self.next_stage = 0
         self.staged: dict[int, tuple[int, object]] = {}  # unit -> (stage, copy landed): not yet widened
-        # High priority: a widening is short, and compute soon waits for it; at the default priority
-        # its blocks queue behind those of the long kernels already running on the compute stream.
-        self.widen_stream = torch.cuda.Stream(device, priority=-1) if self.cuda and self.stages else None
+        self.widen_stream = torch.cuda.Stream(device) if self.cuda and self.stages else None
         self.slots = [Slot(i, torch.empty(size, dtype=torch.uint8, device=device))
                       for i in range(n_slots if units else 0)]
         self.home = {u.index: i % max(len(self.slots), 1) for i, u in enumerate(units)}
