@@ -232,10 +232,7 @@ class OffloadTrainingManager:
                 if slot is not None:
                     self._load(nxt, k[1], slot)
         if self._copied_ids:  # copies of units stored in another dtype run ahead of their slots
-            # ... and, when no weights change between steps, into the next step's forward
-            ahead = self.sched.window(key, len(streamer.stages), self._copied_ids,
-                                      into_next_step=self.grad_sink is None)
-            for k in ahead:
+            for k in self.sched.window(key, len(streamer.stages), self._copied_ids):
                 if len(streamer.staged) >= len(streamer.stages) or not (
                         self.stepper is None or self.stepper.is_done(k[0])):
                     break  # no staging buffer free, or copies would start out of order

@@ -18,7 +18,6 @@ class SuccessorSchedule:
     def __init__(self) -> None:
         self.next: dict[Key, Key] = {}
         self.prev: Key | None = None
-        self.first: Key | None = None  # the first use of the step now running: the next one's guess
         self.count: dict[tuple[int, str], int] = {}  # uses of (unit, phase) so far this step
 
     def seed(self, order: list[int]) -> None:
@@ -38,8 +37,6 @@ class SuccessorSchedule:
         key = (unit, phase, n)
         if self.prev is not None:
             self.next[self.prev] = key
-        else:
-            self.first = key
         self.prev = key
         return key
 
@@ -51,20 +48,15 @@ class SuccessorSchedule:
         self.prev = None
         self.count = {}
 
-    def window(self, key: Key, depth: int, streamed: set[int], into_next_step: bool = False) -> list[Key]:
-        """The next ``depth`` distinct streamed units after ``key`` (their first upcoming use);
-        ``into_next_step``: past the step's last use, go on with the next step's first ones (the
-        guess is that it starts like this one)."""
+    def window(self, key: Key, depth: int, streamed: set[int]) -> list[Key]:
+        """The next ``depth`` distinct streamed units after ``key`` (their first upcoming use)."""
         out: list[Key] = []
         seen = {key[0]}
-        cur, wrapped = key, not into_next_step
+        cur = key
         for _ in range(8 * depth + 16):  # a chain may revisit resident units; bound the walk
             if len(out) >= depth:
                 break
-            nxt = self.next.get(cur)
-            if nxt is None and not wrapped and self.first is not None:
-                nxt, wrapped = self.first, True
-            cur = nxt
+            cur = self.next.get(cur)
             if cur is None or cur == key:
                 break
             if cur[0] in streamed and cur[0] not in seen:

@@ -11,7 +11,7 @@ def _step(sched, uses):
 FORWARD_BACKWARD = [(0, "F"), (1, "F"), (2, "F"), (3, "F"), (3, "B"), (2, "B"), (1, "B"), (0, "B")]
 
 
-def test_windows_follow_last_step_and_stop_at_its_end_unless_told_to_go_on():
+def test_windows_follow_the_last_step_and_stop_at_its_end():
     sched = SuccessorSchedule()
     _step(sched, FORWARD_BACKWARD)
     streamed = {0, 1, 2, 3}
@@ -20,8 +20,4 @@ def test_windows_follow_last_step_and_stop_at_its_end_unless_told_to_go_on():
     assert sched.window(first, 2, {1, 3}) == [(1, "F", 0), (3, "F", 0)]  # only the units asked for
     keys = [first] + [sched.observe(u, p) for u, p in FORWARD_BACKWARD[1:]]
     last = keys[-1]  # unit 0's backward: nothing follows within the step
-    assert sched.window(last, 2, streamed) == []
-    # Into the next step: it is guessed to start as this one did (unit 0 is the current key's own
-    # unit, so the window goes on to 1 and 2).
-    assert sched.window(last, 2, streamed, into_next_step=True) == [(1, "F", 0), (2, "F", 0)]
-    assert sched.window(keys[-2], 2, {2, 3}, into_next_step=True) == [(2, "F", 0), (3, "F", 0)]
+    assert sched.window(last, 2, streamed) == []  # nothing crosses a step
