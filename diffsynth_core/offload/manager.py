@@ -158,10 +158,13 @@ class OffloadTrainingManager:
 
     def _set_streamed(self) -> None:
         """Units that go through the slots, and among them those that cross PCIe each use in
-        another dtype (their copies are staged ahead; compact ones are on the device already)."""
+        another dtype (their copies are staged ahead; compact ones are on the device already).
+        Units with trainable weights are not staged: a copy staged but not used within the step
+        would outlive the optimizer step that rewrites their host weights."""
         self._streamed_ids = {u.index for u in self.plan.streamed}
         compact = {u.index for u in self.plan.compact}
-        self._copied_ids = {u.index for u in self.plan.streamed if u.casts and u.index not in compact}
+        self._copied_ids = {u.index for u in self.plan.streamed
+                            if u.casts and not u.trainable and u.index not in compact}
 
     def _make_averager(self, data_parallel: bool | None) -> GradAverager | None:
         multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
