@@ -16,7 +16,8 @@ so the copy engine never waits for the widening (which shares the SMs with compu
 unit's copy may also be *staged ahead* (``stage_ahead``), before its slot is free: with compact
 units between streamed ones in the slot ring, the copy engine then runs as far ahead as the staging
 buffers allow instead of as far as the slots do.  On a CPU
-target the same code runs with synchronous copies, which is what the CPU tests exercise.
+target the same code runs with synchronous copies (one staging buffer), which is what the CPU tests
+exercise.
 """
 
 from __future__ import annotations
@@ -124,21 +125,19 @@ class Streamer:
         if stored is not None:  # kept on the device as stored: only the widening runs
             return self._widen_on_device(unit, stored, views, after)
         src = self.arena.region(unit.host_offset, unit.host_bytes)
-        if not self.cuda:
-            if unit.casts:
-                stage = self.stages[0].narrow(0, 0, unit.host_bytes)
-                stage.copy_(src)
-                self._widen(unit, stage, views)
-            else:
-                buf.narrow(0, 0, unit.host_bytes).copy_(src)
-            return None
         if not unit.casts:  # identical layouts: one copy lands every tensor in place
+            if not self.cuda:
+                buf.narrow(0, 0, unit.host_bytes).copy_(src)
+                return None
             with torch.cuda.stream(self.copy_stream):
                 for event in after:
                     self.copy_stream.wait_event(event)
                 buf.narrow(0, 0, unit.host_bytes).copy_(src, non_blocking=True)
                 return self.copy_stream.record_event()
         i, copied = self.staged.pop(unit.index, None) or self._copy_to_stage(unit, src)
+        if not self.cuda:
+            self._widen(unit, self.stages[i].narrow(0, 0, unit.host_bytes), views)
+            return None
         with torch.cuda.stream(self.widen_stream):
             self.widen_stream.wait_event(copied)
             for event in after:
@@ -148,15 +147,19 @@ class Streamer:
         return done
 
     def _copy_to_stage(self, unit: Unit, src: torch.Tensor) -> tuple[int, object]:
-        """Copy ``unit``'s stored bytes into a staging buffer (CUDA); returns (stage, landed event).
-        A stage still holding a unit staged ahead is passed over while another is free; if none is,
-        the oldest such copy is given up (it is copied again when needed)."""
+        """Copy ``unit``'s stored bytes into a staging buffer; returns (stage, landed event; ``None``
+        on a CPU target, where the copy is done on return).  A stage still holding a unit staged
+        ahead is passed over while another is free; if none is, the oldest such copy is given up
+        (it is copied again when needed)."""
         held = {i for i, _ in self.staged.values()}
         n = len(self.stages)
         i = next((j % n for j in range(self.next_stage, self.next_stage + n) if j % n not in held), self.next_stage)
         for k in [k for k, (j, _) in self.staged.items() if j == i]:
             del self.staged[k]
         self.next_stage = (i + 1) % n
+        if not self.cuda:
+            self.stages[i].narrow(0, 0, unit.host_bytes).copy_(src)
+            return i, None
         with torch.cuda.stream(self.copy_stream):
             if self.stage_free[i] is not None:  # its last widening has read it
                 self.copy_stream.wait_event(self.stage_free[i])
@@ -166,9 +169,9 @@ class Streamer:
     def stage_ahead(self, unit: Unit) -> bool:
         """Start the host->device copy of ``unit`` (stored in another dtype, streamed) into a free
         staging buffer now, before its slot is free; its load then only widens.  ``False`` when
-        there is nothing to do or no staging buffer is free (CUDA only: elsewhere copies are
-        synchronous, and a slot-less copy would gain nothing)."""
-        if (not self.cuda or not unit.casts or unit.index in self.stored or unit.index in self.staged
+        there is nothing to do or no staging buffer is free.  (On a CPU target the copy is
+        synchronous and gains nothing; it runs there so that the tests exercise this bookkeeping.)"""
+        if (not unit.casts or unit.index in self.stored or unit.index in self.staged
                 or unit.index in self.slot_of or len(self.staged) >= len(self.stages)):
             return False
         self._count_copy(unit)

@@ -94,6 +94,7 @@ def test_fp8_units_kept_as_stored_train_bitwise_like_streamed_ones_and_copy_less
         if budget:
             assert rep["compact_units"] == 3 and rep["budget_units"] == 0
             assert rep["device_widenings"] > 0
+            assert rep["staged_ahead"] > 0  # copies between the kept units start ahead of their slots
             assert rep["planned_h2d_bytes_per_step"] == rep["last_step_h2d_bytes"]
         copied.append(rep["last_step_h2d_bytes"])
         mgr.detach()
