@@ -116,14 +116,13 @@ def plan_residency(units: list[Unit], uses: list[int], n_slots: int, room: int) 
     keep_across = {u.index for u in candidates}
     loads = simulate_loads(uses, order, n_slots, keep_across)
 
-    def value(u: Unit) -> tuple[float, bool]:  # copied bytes saved per device byte; no widening wins ties
-        return round(loads[u.index] * u.host_bytes / device_cost(u), 3), not u.casts
-
+    # Copied bytes saved per device byte spent; among equals, a unit that needs no widening wins.
+    value = {u.index: (round(loads[u.index] * u.host_bytes / device_cost(u), 3), not u.casts) for u in candidates}
     chosen: list[Unit] = []
-    for v in sorted({value(u) for u in candidates}, reverse=True):
+    for v in sorted(set(value.values()), reverse=True):
         if v[0] <= 0:
             break
-        group = sorted((u for u in candidates if value(u) == v), key=lambda u: position[u.index])
+        group = sorted((u for u in candidates if value[u.index] == v), key=lambda u: position[u.index])
         picked = _evenly_spaced(group, room, device_cost)
         room -= sum(device_cost(u) for u in picked)
         chosen.extend(picked)

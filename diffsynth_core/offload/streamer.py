@@ -123,7 +123,7 @@ class Streamer:
         are synchronous)."""
         stored = self.stored.get(unit.index)
         if stored is not None:  # kept on the device as stored: only the widening runs
-            return self._widen_on_device(unit, stored, views, after)
+            return self._widen_after(unit, stored, views, after)
         src = self.arena.region(unit.host_offset, unit.host_bytes)
         if not unit.casts:  # identical layouts: one copy lands every tensor in place
             if not self.cuda:
@@ -135,15 +135,9 @@ class Streamer:
                 buf.narrow(0, 0, unit.host_bytes).copy_(src, non_blocking=True)
                 return self.copy_stream.record_event()
         i, copied = self.staged.pop(unit.index, None) or self._copy_to_stage(unit, src)
-        if not self.cuda:
-            self._widen(unit, self.stages[i].narrow(0, 0, unit.host_bytes), views)
-            return None
-        with torch.cuda.stream(self.widen_stream):
-            self.widen_stream.wait_event(copied)
-            for event in after:
-                self.widen_stream.wait_event(event)
-            self._widen(unit, self.stages[i].narrow(0, 0, unit.host_bytes), views)
-            self.stage_free[i] = done = self.widen_stream.record_event()
+        done = self._widen_after(unit, self.stages[i].narrow(0, 0, unit.host_bytes), views,
+                                 [copied, *after] if copied is not None else after)
+        self.stage_free[i] = done  # the next copy into this stage waits for it
         return done
 
     def _copy_to_stage(self, unit: Unit, src: torch.Tensor) -> tuple[int, object]:
@@ -179,14 +173,17 @@ class Streamer:
         self.staged[unit.index] = self._copy_to_stage(unit, self.arena.region(unit.host_offset, unit.host_bytes))
         return True
 
-    def _widen_on_device(self, unit: Unit, stored: torch.Tensor, views: list[torch.Tensor], after):
+    def _widen_after(self, unit: Unit, src: torch.Tensor, views: list[torch.Tensor], after):
+        """Widen ``unit``'s stored bytes in ``src`` (a staging buffer or its device copy) into
+        ``views`` once the events ``after`` have passed; on CUDA on the widening stream, returning
+        the event that says it is done (``None`` on a CPU target)."""
         if not self.cuda:
-            self._widen(unit, stored, views)
+            self._widen(unit, src, views)
             return None
         with torch.cuda.stream(self.widen_stream):
             for event in after:
                 self.widen_stream.wait_event(event)
-            self._widen(unit, stored, views)
+            self._widen(unit, src, views)
             return self.widen_stream.record_event()
 
     def keep_as_stored(self, units: list[Unit]) -> None:
