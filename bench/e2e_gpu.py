@@ -77,12 +77,12 @@ def dit_bytes(dit_layers: int, quick: bool) -> int:
 def reuse(folder: Path, settings: dict) -> bool:
     """Whether ``folder`` already holds what ``settings`` would build (its ``bench-settings.json``
     says so); a folder built with other settings stops the run: its figures would be wrong."""
-    stamp = folder / "bench-settings.json"
-    if stamp.is_file() and json.loads(stamp.read_text()) == settings:
+    path = folder / "bench-settings.json"
+    if path.is_file() and json.loads(path.read_text()) == settings:
         return True
     if folder.exists() and any(folder.iterdir()):
-        raise SystemExit(f"{folder} was built with other settings than {settings}; remove it or pick another "
-                         f"--workdir")
+        why = "was built with other settings than" if path.is_file() else "holds a build without settings, not"
+        raise SystemExit(f"{folder} {why} {settings}; remove it or pick another --workdir")
     return False
 
 
@@ -175,9 +175,9 @@ class Sampler:
     def _run(self):
         while not self._stop.wait(0.2):
             try:
-                rss = self.proc.memory_info().rss
-                tree = rss + sum(c.memory_info().rss for c in self.proc.children(recursive=True))
                 fields = rss_fields(self.proc.pid)
+                rss = fields.get("VmRSS", 0)
+                tree = rss + sum(c.memory_info().rss for c in self.proc.children(recursive=True))
             except (self.psutil.Error, OSError):
                 continue
             self.rss, self.tree = max(self.rss, rss), max(self.tree, tree)

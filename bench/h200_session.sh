@@ -33,7 +33,7 @@ peak)
     timeout 150 python3 -m bench.side_by_side --musubi-file "$2" --out "$OUT/side_by_side_peak_h200.json" \
       --rows "${ROWS:-streamed,fp8_streamed,streamed_act,budget_12_of_24_act}" > /dev/null
   fi
-  if [ "$(left)" -ge 110 ]; then  # resident + fp8 under 16 GB, ~50 s a row
+  if [ "$(left)" -ge 170 ]; then  # resident + fp8 under 16 GB: 12 steps, 60-80 s a row on the H200
     timeout "$(left)" python3 -m bench.offload --cases widen,qwen20b --qwen-rows "${QWEN_ROWS:-fp8_budget_16gb}" \
       --profile-step "${PROFILE_STEP:-0}" \
       --out "$OUT/offload_fp8_16gb_h200.json" > /dev/null

@@ -35,6 +35,7 @@ The LoRA stack side by side with musubi-tuner is ``bench/side_by_side.py``.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import statistics
 import subprocess
@@ -156,8 +157,9 @@ def qwen_worker(a) -> dict:
                    h2d_gb_per_step=rep["last_step_h2d_bytes"] / GB, planned_peak_gb=(rep["planned_peak_bytes"] or 0) / GB,
                    budget_gb=(rep["budget_bytes"] or 0) / GB)
         result.offload.detach(restore_frozen=False)  # what the LoRA export does
-    if profiler.summary is not None:
-        out["profile"] = profiler.summary
+    profile = profiler.summary()
+    if profile is not None:
+        out["profile"] = profile
     out["lora"] = {k: v.detach().float().cpu() for k, v in result.model.named_parameters() if "lora_" in k} \
         if a.keep_lora else None
     out.update(gpu_peak_nvml_gb=sampler.stop(), host_peak_gb=host_peak_gb())
@@ -167,12 +169,13 @@ def qwen_worker(a) -> dict:
 
 class StepProfiler:
     """``--profile-step K``: PyTorch's profiler over training step K + 1 (after K steps), summarised
-    per CUDA stream: how long each stream was busy within the step (union of its kernels and
-    copies), and its five costliest names.  The compute stream's idle time is what the step spent
-    waiting (for copies, widenings or the host)."""
+    per CUDA stream (``summary()``, after training, so the export is not timed as a step): how long
+    each stream was busy within the step (union of its kernels and copies), and its five costliest
+    names.  The compute stream's idle time is what the step spent waiting (for copies, widenings or
+    the host)."""
 
     def __init__(self, step: int):
-        self.step, self.prof, self.summary = step, None, None
+        self.step, self.prof = step, None
 
     def after_step(self, done: int) -> None:
         if not self.step:
@@ -185,10 +188,14 @@ class StepProfiler:
             self.prof.start()
         elif done == self.step + 1 and self.prof is not None:
             self.prof.stop()
-            with tempfile.TemporaryDirectory() as tmp:  # a 60-block step's trace is large: not kept
-                path = Path(tmp) / "trace.json"
-                self.prof.export_chrome_trace(str(path))
-                self.summary = trace_summary(json.loads(path.read_text()))
+
+    def summary(self) -> dict | None:
+        if self.prof is None:
+            return None
+        with tempfile.TemporaryDirectory() as tmp:  # a 60-block step's trace is large: not kept
+            path = Path(tmp) / "trace.json"
+            self.prof.export_chrome_trace(str(path))
+            return trace_summary(json.loads(path.read_text()))
 
 
 def trace_summary(trace: dict) -> dict:
@@ -233,19 +240,31 @@ def _union(evs: list[dict]) -> list[tuple]:
     return [tuple(m) for m in merged]
 
 
-def _overlap(spans, lo: float, hi: float) -> float:
-    return sum(max(0.0, min(hi, b) - max(lo, a)) for a, b, *_ in spans)
+def _overlap(spans, lo: float, hi: float, starts: list[float] | None = None) -> float:
+    """Time within [lo, hi] that ``spans`` (sorted, disjoint) cover; ``starts``: their start times,
+    so only the spans that can reach into [lo, hi] are visited."""
+    first = max(0, bisect.bisect_right(starts, lo) - 1) if starts is not None else 0
+    covered = 0.0
+    for a, b, *_ in spans[first:]:
+        if a >= hi:
+            break
+        covered += max(0.0, min(hi, b) - max(lo, a))
+    return covered
 
 
 def _gaps(spans: dict, compute: str, runtime: list[dict], min_us: float = 100.0) -> dict:
     busy = spans[compute]
     gaps = [(busy[i][1], busy[i + 1][0], busy[i][3], busy[i + 1][2]) for i in range(len(busy) - 1)
             if busy[i + 1][0] - busy[i][1] >= min_us]
-    others = {sid: round(sum(_overlap(s, lo, hi) for lo, hi, *_ in gaps) / 1e3, 2)
-              for sid, s in spans.items() if sid != compute}
+    others = {}
+    for sid, s in spans.items():
+        if sid != compute:
+            starts = [a for a, *_ in s]
+            others[sid] = round(sum(_overlap(s, lo, hi, starts) for lo, hi, *_ in gaps) / 1e3, 2)
+    gap_starts = [lo for lo, *_ in gaps]
     host: dict[str, float] = {}
     for e in runtime:
-        inside = sum(max(0.0, min(hi, e["ts"] + e["dur"]) - max(lo, e["ts"])) for lo, hi, *_ in gaps)
+        inside = _overlap(gaps, e["ts"], e["ts"] + e["dur"], gap_starts)
         if inside:
             host[e["name"]] = host.get(e["name"], 0.0) + inside
     largest = sorted(gaps, key=lambda g: g[0] - g[1])[:12]
