@@ -20,6 +20,8 @@ from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectNotFound
 from prefect.states import Cancelled, Completed, Crashed
 
+from .server import api_healthy
+
 FINAL = {StateType.COMPLETED, StateType.FAILED, StateType.CRASHED, StateType.CANCELLED}
 _NEW_STATE = {"completed": Completed, "crashed": Crashed, "cancelled": Cancelled}
 
@@ -35,11 +37,20 @@ def api_lost(err: BaseException, url: str | None) -> bool:
     """Whether ``err`` is an outage of the API at ``url`` that its health confirms.
 
     ``is_outage`` counts every OSError: one from the cache's disk or network (EIO, ECONNRESET)
-    while the API answers is the stage's failure, not Prefect's.
+    while the API answers is the stage's failure, not Prefect's.  The health is asked once per
+    error and the answer kept on it: the retry decision, the console filter and the exit message
+    all judge one failure, and must agree even if the API comes or goes in between.
     """
-    from .server import api_healthy
-
-    return is_outage(err) and bool(url) and not api_healthy(url)
+    if not (is_outage(err) and url):
+        return False
+    lost = getattr(err, "_splitflow_api_lost", None)
+    if lost is None:
+        lost = not api_healthy(url)
+        try:
+            err._splitflow_api_lost = lost
+        except AttributeError:  # an exception type without a __dict__: ask again next time
+            pass
+    return lost
 
 
 class PrefectApi:

@@ -99,15 +99,15 @@ def train_heartbeat(cfg: RunConfig, name: str) -> Heartbeat:
         if seen["total"] is None:  # once, in the beat's thread; max_steps spares reading the cache
             try:
                 seen["total"] = cfg.train.max_steps or work_left(cfg).total_steps
-            except Exception as err:  # noqa: BLE001 -- the stage reports it; the beat goes on without a total
+            except Exception as err:  # noqa: BLE001 -- the stage reports it; the beat goes on
                 logging.getLogger(__name__).debug("heartbeat: total steps unknown: %s", err)
-                seen["total"] = 0
+        total = seen["total"] or 0  # unknown this beat: asked again at the next one
         step, loss = train_progress(cfg)
         if step != seen["step"]:
             seen["step"] = step
-            of_total = f" of {seen['total']}" if seen["total"] else ""
+            of_total = f" of {total}" if total else ""
             logger.info("%s: step %d%s, loss %.4g", label, step, of_total, loss)
-        return _percent(step, seen["total"])
+        return _percent(step, total)
 
     return Heartbeat(artifact_key(name, "train-progress"), f"{label}: steps done", progress,
                      cfg.orchestration.heartbeat_s)

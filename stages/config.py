@@ -55,9 +55,13 @@ def _multiple_of_16(value: int | None) -> int | None:
 
 
 def _caption_extension(value: str | None) -> str | None:
-    # Caption files are found with Path.with_suffix, which takes only a dotted suffix.
-    if value is not None and (not value.startswith(".") or value == "." or "/" in value):
-        raise ValueError(f"{value!r} is not a file extension: give it with its dot, e.g. \".txt\"")
+    # Caption files are found with Path.with_suffix: what it refuses, or "" (which it takes as
+    # "strip the suffix"), is no extension.
+    try:
+        if value is not None and not (value and Path("caption").with_suffix(value)):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"{value!r} is not a file extension: give it with its dot, e.g. \".txt\"") from None
     return value
 
 
