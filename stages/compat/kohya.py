@@ -52,7 +52,11 @@ def folder_records(folder: Path, media: list[tuple[Path, str]], caption_extensio
     for path, kind in media:
         caption_file = path.with_suffix(caption_extension)
         if caption_file.is_file():
-            caption = caption_file.read_text(encoding="utf-8-sig").strip()
+            try:
+                caption = caption_file.read_text(encoding="utf-8-sig").strip()
+            except UnicodeDecodeError:
+                raise DatasetError("caption file is not UTF-8 text: save it as UTF-8", metadata=folder,
+                                   file=caption_file) from None
         elif class_tokens is not None:
             caption = class_tokens
         elif kind == "image":

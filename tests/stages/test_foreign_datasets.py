@@ -175,3 +175,13 @@ def test_musubi_toml_mistakes_are_one_line_naming_the_key(tmp_path, body, messag
     with pytest.raises(InputError, match=message) as err:
         build_config({"dataset": {"metadata_path": str(toml)}})
     assert str(toml) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_caption_file_that_is_not_utf8_is_one_line_naming_it(demo_assets, tmp_path):
+    folder = tmp_path / "imgs"
+    _image(folder / "a.png")
+    (folder / "a.txt").write_bytes("une légende".encode("latin-1"))  # saved by an editor in Latin-1
+    cfg = _config(demo_assets, tmp_path, {"metadata_path": str(folder)})
+    with pytest.raises(InputError) as caught:
+        preprocess.run(cfg)
+    assert "a.txt" in str(caught.value) and "UTF-8" in str(caught.value) and "\n" not in str(caught.value)
