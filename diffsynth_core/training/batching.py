@@ -41,6 +41,22 @@ def _pad_to(tensor: torch.Tensor, length: int) -> torch.Tensor:
 def collate(entries: Sequence[Mapping[str, Any]], padding: Mapping[str, str], device: torch.device,
             dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Stack the tensors of ``entries`` along a new batch dim on ``device``; floating ones in ``dtype``."""
+    return to_device(stack_entries(entries, padding), device, dtype)
+
+
+def to_device(batch: Mapping[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+              non_blocking: bool = False) -> dict[str, torch.Tensor]:
+    """``batch`` on ``device`` (``non_blocking``: its host tensors are pinned), floating tensors cast
+    to ``dtype`` there."""
+    moved = {}
+    for name, tensor in batch.items():
+        tensor = tensor.to(device, non_blocking=non_blocking)
+        moved[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    return moved
+
+
+def stack_entries(entries: Sequence[Mapping[str, Any]], padding: Mapping[str, str]) -> dict[str, torch.Tensor]:
+    """The tensors of ``entries`` stacked along a new batch dim, on the host, in their cached dtypes."""
     names = [k for k, v in entries[0].items() if isinstance(v, torch.Tensor)]
     padded = set(padding) | set(padding.values())
     batch = {}
@@ -53,8 +69,7 @@ def collate(entries: Sequence[Mapping[str, Any]], padding: Mapping[str, str], de
             shapes = sorted({tuple(t.shape) for t in tensors})
             raise InputError(f"cannot batch entries whose {name!r} shapes differ ({shapes}); this family pads no "
                              f"{name!r}: re-run preprocess with one prompt length, or set train.batch_size = 1")
-        stacked = torch.stack(tensors).to(device)
-        batch[name] = stacked.to(dtype) if stacked.is_floating_point() else stacked
+        batch[name] = torch.stack(tensors)
     return batch
 
 

@@ -117,11 +117,22 @@ class BucketSampler:
 
     def next_round(self) -> list[Batch]:
         """The next ``world_size`` batches: batch ``rank`` is this rank's."""
-        if self.state.position >= self.batches_per_epoch:
-            self.state = SamplerState(self.state.epoch + 1, 0)
+        self.state = self._upcoming()
         start = self.state.position
         self.state.position += self.world_size
         return self._epoch_batches(self.state.epoch)[start: start + self.world_size]
+
+    def peek_round(self) -> list[Batch]:
+        """The round ``next_round`` will return, without consuming it (the state checkpoints save
+        stays where it is)."""
+        upcoming = self._upcoming()
+        return self._epoch_batches(upcoming.epoch)[upcoming.position: upcoming.position + self.world_size]
+
+    def _upcoming(self) -> SamplerState:
+        """Where the next round starts: the next epoch once this one's rounds are consumed."""
+        if self.state.position >= self.batches_per_epoch:
+            return SamplerState(self.state.epoch + 1, 0)
+        return SamplerState(self.state.epoch, self.state.position)
 
 
 def format_bucket(bucket: Hashable) -> str:
