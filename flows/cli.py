@@ -124,7 +124,7 @@ def cmd_resume(args, extra) -> int:
 
 
 def cmd_deploy(args, extra) -> int:
-    from flows.orchestrate import prefect_session
+    from flows.orchestrate import check_lora_targets_first, prefect_session
     from flows.runconfig import check_overrides
     from flows.server import configured_api_url
 
@@ -135,6 +135,7 @@ def cmd_deploy(args, extra) -> int:
     url = configured_api_url()  # before PREFECT_HOME moves: the user's profile may name their server
     ref, overrides = _reference(args, extra, cfg)
     check_overrides(overrides)  # overrides become deployment parameters: no credentials there
+    check_lora_targets_first(cfg, ("train",), local=False)  # as orchestrate does for pooled runs
     with prefect_session(cfg, url, True, args.debug):
         from flows.deployments import deploy  # imports Prefect: after prefect_session set its home
 

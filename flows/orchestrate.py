@@ -34,7 +34,7 @@ def orchestrate(cfg: RunConfig, ref: str | None, overrides: list[str], name: str
     url = configured_api_url()  # before PREFECT_HOME moves: the user's profile may name their server
     check_overrides(overrides)  # overrides become run parameters: no credentials there
     if pooled:
-        _check_lora_targets(cfg, stages)
+        check_lora_targets_first(cfg, stages, local=False)
         with prefect_session(cfg, url, True, debug) as session:
             return _on_pools(cfg, ref, overrides, name, stages, pools, session.url)
     view = read_cache(cfg)  # decided from disk, before Prefect is imported or a server started
@@ -42,7 +42,7 @@ def orchestrate(cfg: RunConfig, ref: str | None, overrides: list[str], name: str
     if not (left.preprocess or ("train" in stages and left.train)):
         return idle_summary(cfg, stages, view)
     if left.train:
-        _check_lora_targets(cfg, stages)
+        check_lora_targets_first(cfg, stages, local=True)
     with prefect_session(cfg, url, False, debug) as session:
         from prefect import tags
 
@@ -53,14 +53,15 @@ def orchestrate(cfg: RunConfig, ref: str | None, overrides: list[str], name: str
             return split_training(ref, overrides, name, stages)
 
 
-def _check_lora_targets(cfg: RunConfig, stages: tuple[str, ...]) -> None:
-    """A LoRA target naming no Linear of the DiT is one line now, not after a server start and a retry."""
+def check_lora_targets_first(cfg: RunConfig, stages: tuple[str, ...], local: bool) -> None:
+    """A LoRA target naming no Linear of the DiT is one line now, not after a server start and a retry
+    (``local=False``: the stages run on work pools, see ``stages.common.check_lora_targets``)."""
     if "train" not in stages:
         return
     from diffsynth_core.models import get_family
     from stages.common import check_lora_targets
 
-    check_lora_targets(cfg, get_family(cfg.model.family))
+    check_lora_targets(cfg, get_family(cfg.model.family), local)
 
 
 @contextlib.contextmanager

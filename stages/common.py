@@ -105,9 +105,12 @@ def load_components(cfg: RunConfig, spec: FamilySpec, names: tuple[str, ...], de
     return {name: out[name] for name in names}
 
 
-def check_lora_targets(cfg: RunConfig, spec: FamilySpec) -> None:
+def check_lora_targets(cfg: RunConfig, spec: FamilySpec, local: bool = True) -> None:
     """Every LoRA target must name a Linear of the DiT: checked on a weightless (meta) build, so a
-    bad target is reported before any server starts or weight is read (all bad ones in one line)."""
+    bad target is reported before any server starts or weight is read (all bad ones in one line).
+
+    ``local=False``: the stage runs on work pools, whose machines hold the model; when its files are
+    not on this machine the check is left to them (their load names what is missing)."""
     from diffsynth_core.models import released
     from diffsynth_core.training.lora import resolve_lora_targets
 
@@ -115,6 +118,8 @@ def check_lora_targets(cfg: RunConfig, spec: FamilySpec) -> None:
     if train.lora_checkpoint or train.lora_rank <= 0 or name in train.trainable_models or cfg.model.transformer_file:
         return
     if name in (cfg.model.sources or {}):
+        if not local and not all(Path(p).exists() for p in cfg.model.sources[name]):
+            return
         model = released.build_on_meta(spec.released_formats, name, component_files(cfg, spec, name))
     elif (Path(cfg.model.path) / "model_index.json").is_file():
         component_files(cfg, spec, name)  # the folder must exist (one clear line otherwise)

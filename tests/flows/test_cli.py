@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -72,15 +73,51 @@ def test_a_flow_loads_its_config_from_a_url(tmp_path):
     assert run_name(str(tmp_path / "qwen lora.toml")) == "qwen-lora" and run_name(None, "x/y") == "x-y"
 
 
-def test_deploy_refuses_storage_options_overrides_before_waiting_for_the_api(tmp_path):
-    """The check comes first: no wait of orchestration.api_grace_s for a server that is not there."""
+def _deploy_without_an_api(config: Path, *extra: str) -> subprocess.CompletedProcess:
+    """``splitflow deploy`` with PREFECT_API_URL where nothing listens (the configs below set
+    ``orchestration.api_grace_s`` = 600): a check made before the wait for the API answers at once."""
     from flows.server import _free_port
 
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_HOME", "PREFECT_PROFILE")}
+    env["PREFECT_API_URL"] = f"http://127.0.0.1:{_free_port()}/api"
+    return subprocess.run([sys.executable, "-m", "flows.cli", "deploy", str(config), "--preprocess-pool", "cheap",
+                           "--train-pool", "big", *extra], env=env, cwd=config.parent, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_deploy_refuses_storage_options_overrides_before_waiting_for_the_api(tmp_path):
+    """The check comes first: no wait of orchestration.api_grace_s for a server that is not there."""
     path = tmp_path / "run.toml"
     path.write_text("[train]\nlearning_rate = 0.1\n\n[orchestration]\napi_grace_s = 600\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_HOME", "PREFECT_PROFILE")}
-    env["PREFECT_API_URL"] = f"http://127.0.0.1:{_free_port()}/api"  # nothing listens there
-    run = subprocess.run([sys.executable, "-m", "flows.cli", "deploy", str(path), "--preprocess-pool", "cheap",
-                          "--train-pool", "big", "--set", 'cache.storage_options={key="x"}'], env=env,
-                         capture_output=True, text=True, timeout=120)
+    run = _deploy_without_an_api(path, "--set", 'cache.storage_options={key="x"}')
     assert run.returncode == 2 and "cache.storage_options" in run.stderr, run.stderr
+
+
+def test_deploy_names_bad_lora_targets_of_a_model_on_this_machine_before_waiting_for_the_api(tmp_path):
+    """As a pooled ``splitflow run`` does: the LoRA targets are checked before anything is registered."""
+    from diffsynth_core.models import get_family
+
+    folder = get_family("qwen_image").save_tiny_model(tmp_path / "model", 0)
+    config = tmp_path / "run.toml"
+    config.write_text(f'[model]\nfamily = "qwen_image"\npath = "{folder}"\n\n[train]\nlora_rank = 4\n'
+                      'lora_target_modules = ["to_q", "nonsense"]\n\n[orchestration]\napi_grace_s = 600\n')
+    run = _deploy_without_an_api(config)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1 and "['nonsense'] match no Linear module" in lines[0], run.stderr
+
+
+def test_lora_targets_of_a_model_only_the_pools_hold_are_left_to_them(tmp_path):
+    """Released files named in model.sources that are not on this machine: a local run says so at once; a
+    pooled one (or a deployment) leaves them to the workers, whose load names what they lack."""
+    from diffsynth_core.errors import InputError
+    from diffsynth_core.models import get_family
+    from stages.common import check_lora_targets
+    from stages.config import load_config
+
+    config = tmp_path / "run.toml"
+    config.write_text('[model]\nfamily = "qwen_image"\n\n[model.sources]\ntransformer = ["/gpu-node/qwen/dit.safetensors"]'
+                      '\n\n[train]\nlora_rank = 4\nlora_target_modules = ["nonsense"]\n')
+    cfg, spec = load_config(config), get_family("qwen_image")
+    check_lora_targets(cfg, spec, local=False)  # the pools' machines have the file: nothing to say here
+    with pytest.raises(InputError, match="model.sources.transformer: /gpu-node/qwen/dit.safetensors does not exist"):
+        check_lora_targets(cfg, spec, local=True)
