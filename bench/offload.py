@@ -142,6 +142,9 @@ def qwen_worker(a) -> dict:
         profiler.after_step(len(stamps))
     out_dir = a.out_dir or tempfile.mkdtemp()
     trainer = Trainer(spec, model, samples, train, offload, out_dir, device=device, progress=False, callbacks=[clock])
+    if a.old_loop:  # the loop before training/prefetch.py, for a side-by-side figure
+        trainer.next_batch.prepare_ahead = lambda batch: None
+        trainer._input_dtype = lambda m: getattr(m, "dtype", torch.float32)
     t0 = time.perf_counter()
     result = trainer.fit()
     steps = [b - a_ for a_, b in zip([t0] + stamps, stamps)]
@@ -288,9 +291,11 @@ def case_qwen20b(a) -> dict:
     fp8_16 = [*common, "--offload", "--budget-gib", f"{16e9 / GIB:.3f}", "--storage", "float8_e4m3fn"]
     rows = {"resident": common, "budget_24gb": [*common, "--offload", "--budget-gib", f"{24e9 / GIB:.3f}"],
             "fp8_budget_16gb": fp8_16, "fp8_budget_16gb_act": [*fp8_16, "--act-offload"],
-            "fp8_budget_16gb_prefetch2": [*fp8_16, "--prefetch", "2"]}
-    res = qwen_rows({k: v for k, v in rows.items() if k == "resident" or k in a.qwen_rows.split(",")}, 420)
-    resident = res["resident"].get("step_s")
+            "fp8_budget_16gb_prefetch2": [*fp8_16, "--prefetch", "2"],
+            "fp8_budget_16gb_oldloop": [*fp8_16, "--old-loop"]}
+    wanted = a.qwen_rows.split(",") + ([] if a.skip_resident else ["resident"])
+    res = qwen_rows({k: v for k, v in rows.items() if k in wanted}, 420)
+    resident = res.get("resident", {}).get("step_s")
     for name, row in res.items():
         if resident and row.get("step_s") and name != "resident":
             row["step_over_resident"] = row["step_s"] / resident
@@ -572,8 +577,9 @@ def main() -> None:
     ap.add_argument("--lora-file", default="")
     ap.add_argument("--qwen-rows", default="budget_24gb,fp8_budget_16gb",
                     help="qwen20b rows beside resident; also fp8_budget_16gb_act (block inputs offloaded), "
-                         "fp8_budget_16gb_prefetch2 (three slots)")
-    for flag in ("--offload", "--deterministic", "--keep-lora", "--act-offload"):
+                         "fp8_budget_16gb_prefetch2 (three slots), fp8_budget_16gb_oldloop (the training loop "
+                         "before batches were prepared ahead)")
+    for flag in ("--offload", "--deterministic", "--keep-lora", "--act-offload", "--old-loop", "--skip-resident"):
         ap.add_argument(flag, action="store_true")
     a = ap.parse_args()
     if a.worker == "qwen":
