@@ -280,7 +280,21 @@ def _gaps(spans: dict, compute: str, runtime: list[dict], min_us: float = 100.0)
 
 
 def qwen_rows(rows: dict[str, list[str]], timeout: int) -> dict:
-    return {name: _spawn(["--worker", "qwen", *args], timeout) for name, args in rows.items()}
+    res = {}
+    for name, args in rows.items():
+        res[name] = _spawn(["--worker", "qwen", *args], timeout)
+        _save_partial(res)
+    return res
+
+
+PARTIAL: dict = {}  # main's --out, its document so far and the running case (set by main)
+
+
+def _save_partial(rows: dict) -> None:
+    """The running case's rows so far, written to --out: a run cut short keeps the rows it measured."""
+    if PARTIAL.get("path"):
+        doc = {**PARTIAL["doc"], PARTIAL["case"]: {"partial": True, **rows}}
+        Path(PARTIAL["path"]).write_text(json.dumps(doc, indent=1))
 
 
 def case_qwen20b(a) -> dict:
@@ -598,6 +612,7 @@ def main() -> None:
              "widen": case_widen}
     out = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__}
     for name in a.cases.split(","):
+        PARTIAL.update(path=a.out, doc=out, case=name)
         t0 = time.perf_counter()
         out[name] = cases[name](a)
         out[name]["wall_s"] = time.perf_counter() - t0
