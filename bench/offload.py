@@ -142,9 +142,10 @@ def qwen_worker(a) -> dict:
         profiler.after_step(len(stamps))
     out_dir = a.out_dir or tempfile.mkdtemp()
     trainer = Trainer(spec, model, samples, train, offload, out_dir, device=device, progress=False, callbacks=[clock])
-    if a.old_loop:  # the loop before training/prefetch.py, for a side-by-side figure
-        trainer.next_batch.prepare_ahead = lambda batch: None
-        trainer._input_dtype = lambda m: getattr(m, "dtype", torch.float32)
+    if a.old_loop:
+        from bench.step_start import use_old_loop
+
+        use_old_loop(trainer)
     t0 = time.perf_counter()
     result = trainer.fit()
     steps = [b - a_ for a_, b in zip([t0] + stamps, stamps)]

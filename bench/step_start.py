@@ -51,6 +51,13 @@ def _samples(spec, config, pixels: int, cache: str, workdir: str):
     return CachedSamples(open_cache(url, "r"), [f"k{i}" for i in range(len(samples))])
 
 
+def use_old_loop(trainer) -> None:
+    """Make ``trainer`` run the loop as it was before ``training/prefetch.py``, for side-by-side
+    figures: each batch prepared when its round starts, the model's dtype read at every step."""
+    trainer.next_batch.prepare_ahead = lambda batch: None
+    trainer._input_dtype = lambda model: getattr(model, "dtype", torch.float32)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=4)
@@ -120,8 +127,7 @@ def main() -> None:
     trainer = loop.Trainer(spec, model, samples, train, OffloadSection(), tempfile.mkdtemp(), device=device,
                            progress=False, callbacks=[clock])
     if a.old_loop:
-        trainer.next_batch.prepare_ahead = lambda batch: None
-        trainer._input_dtype = lambda model: getattr(model, "dtype", torch.float32)
+        use_old_loop(trainer)
     trainer.fit()
 
     phases: dict[str, list[float]] = {}

@@ -57,11 +57,15 @@ def _multiple_of_16(value: int | None) -> int | None:
 def _caption_extension(value: str | None) -> str | None:
     # Caption files are found with Path.with_suffix: what it refuses, or "" (which it takes as
     # "strip the suffix"), is no extension.
+    if value is None:
+        return value
     try:
-        if value is not None and not (value and Path("caption").with_suffix(value)):
-            raise ValueError
+        Path("caption").with_suffix(value)
+        is_extension = value != ""
     except ValueError:
-        raise ValueError(f"{value!r} is not a file extension: give it with its dot, e.g. \".txt\"") from None
+        is_extension = False
+    if not is_extension:
+        raise ValueError(f"{value!r} is not a file extension: give it with its dot, e.g. \".txt\"")
     return value
 
 

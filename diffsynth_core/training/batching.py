@@ -38,12 +38,6 @@ def _pad_to(tensor: torch.Tensor, length: int) -> torch.Tensor:
     return F.pad(tensor, pad)
 
 
-def collate(entries: Sequence[Mapping[str, Any]], padding: Mapping[str, str], device: torch.device,
-            dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Stack the tensors of ``entries`` along a new batch dim on ``device``; floating ones in ``dtype``."""
-    return to_device(stack_entries(entries, padding), device, dtype)
-
-
 def to_device(batch: Mapping[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
               non_blocking: bool = False) -> dict[str, torch.Tensor]:
     """``batch`` on ``device`` (``non_blocking``: its host tensors are pinned), floating tensors cast

@@ -118,15 +118,17 @@ class BucketSampler:
     def next_round(self) -> list[Batch]:
         """The next ``world_size`` batches: batch ``rank`` is this rank's."""
         self.state = self._upcoming()
-        start = self.state.position
+        round_ = self._round_at(self.state)
         self.state.position += self.world_size
-        return self._epoch_batches(self.state.epoch)[start: start + self.world_size]
+        return round_
 
     def peek_round(self) -> list[Batch]:
         """The round ``next_round`` will return, without consuming it (the state checkpoints save
         stays where it is)."""
-        upcoming = self._upcoming()
-        return self._epoch_batches(upcoming.epoch)[upcoming.position: upcoming.position + self.world_size]
+        return self._round_at(self._upcoming())
+
+    def _round_at(self, state: SamplerState) -> list[Batch]:
+        return self._epoch_batches(state.epoch)[state.position: state.position + self.world_size]
 
     def _upcoming(self) -> SamplerState:
         """Where the next round starts: the next epoch once this one's rounds are consumed."""

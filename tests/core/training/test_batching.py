@@ -8,7 +8,7 @@ import torch
 
 from diffsynth_core.errors import InputError
 from diffsynth_core.models import get_family
-from diffsynth_core.training.batching import collate, latent_shapes
+from diffsynth_core.training.batching import latent_shapes, stack_entries, to_device
 from diffsynth_core.training.loop import Trainer
 from diffsynth_core.training.sampler import BucketSampler, SamplerState
 from stages.config import OffloadSection, TrainSection
@@ -59,6 +59,11 @@ def test_ranks_get_whole_batches_of_the_single_process_order():
         BucketSampler(["A", "B"], batch_size=4, drop_last=True)
     with pytest.raises(InputError, match="3 ranks"):
         BucketSampler(["A", "B"], batch_size=4, world_size=3)
+
+
+def collate(entries, padding, device, dtype):
+    """What the trainer does with a batch, in one call: stack on the host, then move and cast."""
+    return to_device(stack_entries(entries, padding), device, dtype)
 
 
 def test_collate_pads_prompts_with_their_mask_and_refuses_unpadded_ragged_tensors():
