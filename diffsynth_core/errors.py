@@ -11,6 +11,9 @@ must act:
   full, permissions, network, a Prefect server that is down, a lock another process holds.
   Often transient, so retryable unless a subclass or instance says otherwise.
 
+A third, :class:`Interrupted` (exit code 130), is no failure: Ctrl-C or SIGTERM stopped the work,
+also when a library caught the signal's exception and raised its own around it.  Never retried.
+
 Anything else that escapes is a bug (exit code 1).  The CLI maps these classes to exit codes in
 one place (``flows/cli.py``); the coordinator reads ``retryable`` to decide on re-submission.
 
@@ -26,6 +29,7 @@ EXIT_OK = 0
 EXIT_BUG = 1
 EXIT_INPUT = 2
 EXIT_ENVIRONMENT = 3
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for Ctrl-C
 
 
 class SplitflowError(Exception):
@@ -58,6 +62,13 @@ class EnvironmentFailure(SplitflowError):
     retryable = True
 
 
+class Interrupted(SplitflowError):
+    """Ctrl-C or SIGTERM stopped the work: nothing to fix, what was written is kept; re-run to resume."""
+
+    exit_code = EXIT_INTERRUPTED
+    retryable = False  # the user asked to stop: a retry would carry on against their wish
+
+
 class LockHeldError(EnvironmentFailure):
     """Another live process holds the lock on an output folder or cache part (message names it)."""
 
@@ -83,9 +94,13 @@ def classify(exc: BaseException) -> SplitflowError | None:
     Returns the exception itself when it already is a :class:`SplitflowError`, a new one (whose
     message names the path when the OS gave one) for failures of the environment, and None for
     anything else (a bug, exit code 1).  Walks ``__cause__``/``__context__`` so a wrapped disk-full
-    error (safetensors, zarr) is still recognised.
+    error (safetensors, zarr) is still recognised, and so is a wrapped interrupt: a signal's
+    exception raised inside a library callback comes back as the library's error (pydantic:
+    ``PydanticSerializationError`` caused by the ``KeyboardInterrupt``).
     """
     chain = _chain(exc)
+    if any(_is_signal(current) for current in chain):  # first: the user stopped it, whatever broke after
+        return Interrupted("interrupted; work written so far is kept, re-run to resume")
     for current in chain:
         if isinstance(current, SplitflowError):
             return current
@@ -111,6 +126,12 @@ def _chain(exc: BaseException) -> list[BaseException]:
         chain.append(current)
         current = current.__cause__ or current.__context__
     return chain
+
+
+def _is_signal(exc: BaseException) -> bool:
+    """Ctrl-C (``KeyboardInterrupt``) or another signal raised as a non-``Exception`` (Prefect's
+    ``TerminationSignal`` while a flow holds SIGTERM); not ``SystemExit``, which is a program's own exit."""
+    return not isinstance(exc, (Exception, SystemExit, GeneratorExit))
 
 
 # Rust libraries (safetensors) report an OS error only inside their message: "... (os error 28)".

@@ -17,7 +17,7 @@ import sys
 import threading
 from pathlib import Path
 
-from diffsynth_core.errors import EXIT_BUG, EXIT_INPUT, InputError, classify
+from diffsynth_core.errors import EXIT_BUG, EXIT_INPUT, InputError, Interrupted, classify
 from stages.compat import diffsynth
 from stages.config import ConfigError, RunConfig
 
@@ -236,7 +236,7 @@ def report_failure(verb: str, err: BaseException, debug: bool) -> int:
     """One line naming what failed and what to do; the documented exit code (README, DESIGN).
 
     2: the user's input (config, data, cache); 3: the environment (disk, permissions, network,
-    server, a lock held elsewhere); 1: a bug.  ``--debug`` adds the traceback.
+    server, a lock held elsewhere); 130: interrupted; 1: a bug.  ``--debug`` adds the traceback.
     """
     import traceback
 
@@ -248,7 +248,8 @@ def report_failure(verb: str, err: BaseException, debug: bool) -> int:
         print(f"splitflow {verb}: internal error: {type(err).__name__}: {err} "
               f"(a bug: re-run with --debug for the traceback and report it)", file=sys.stderr)
         return EXIT_BUG
-    print(f"splitflow {verb}: error: {classified}", file=sys.stderr)
+    kind = "" if isinstance(classified, Interrupted) else "error: "
+    print(f"splitflow {verb}: {kind}{classified}", file=sys.stderr)
     return classified.exit_code
 
 
@@ -265,12 +266,12 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)  # like Ctrl-C: servers stopped, runs marked, work kept
     try:
-        return VERBS[args.verb][0](args, extra)
-    except KeyboardInterrupt:
-        print(f"splitflow {args.verb}: interrupted; work written so far is kept, re-run to resume", file=sys.stderr)
-        return 130
-    except Exception as err:  # noqa: BLE001 -- the one place where failures become exit codes
-        return report_failure(args.verb, err, args.debug)
+        try:
+            return VERBS[args.verb][0](args, extra)
+        except Exception as err:  # noqa: BLE001 -- the one place where failures become exit codes
+            return report_failure(args.verb, err, args.debug)  # a wrapped interrupt, too: 130
+    except KeyboardInterrupt as interrupt:  # also one that lands while a failure is being reported
+        return report_failure(args.verb, interrupt, args.debug)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ import pytest
 
 from cache_store import CacheFormatError, IncompleteCacheError
 from diffsynth_core.data.errors import DatasetError
-from diffsynth_core.errors import (EXIT_BUG, EXIT_ENVIRONMENT, EXIT_INPUT, EnvironmentFailure, InputError,
-                                   LockHeldError, classify, exit_code_of, is_retryable)
+from diffsynth_core.errors import (EXIT_BUG, EXIT_ENVIRONMENT, EXIT_INPUT, EXIT_INTERRUPTED, EnvironmentFailure,
+                                   InputError, Interrupted, LockHeldError, classify, exit_code_of, is_retryable)
 from stages.config import ConfigError
 
 
@@ -63,3 +63,28 @@ def test_disk_full_reported_only_in_a_message_is_recognised(message):
     found = classify(RuntimeError(message))
     assert found is not None and found.exit_code == EXIT_ENVIRONMENT and not found.retryable
     assert "full" in str(found)
+
+
+def _raised_while_handling(signal_exc: BaseException, error: Exception) -> Exception:
+    """``error`` raised by code that was handling ``signal_exc``, as Python chains it (``__context__``)."""
+    try:
+        try:
+            raise signal_exc
+        except BaseException:
+            raise error
+    except Exception as chained:
+        return chained
+
+
+def test_an_interrupt_wins_over_what_broke_while_it_unwound():
+    # A checkpoint write cut short by Ctrl-C may fail with a disk-looking error: still an interrupt.
+    found = classify(_raised_while_handling(KeyboardInterrupt("SIGTERM"), InputError("sample 3: unreadable")))
+    assert isinstance(found, Interrupted) and found.exit_code == EXIT_INTERRUPTED == 130
+    assert not is_retryable(KeyboardInterrupt()) and "re-run to resume" in str(found)
+
+
+def test_prefects_termination_signal_is_an_interrupt_and_system_exit_is_not():
+    from prefect.exceptions import TerminationSignal  # what a flow raises for SIGTERM while it holds the signal
+
+    assert exit_code_of(_raised_while_handling(TerminationSignal(15), RuntimeError("x"))) == EXIT_INTERRUPTED
+    assert classify(_raised_while_handling(SystemExit(0), RuntimeError("x"))) is None

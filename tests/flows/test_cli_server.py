@@ -118,7 +118,7 @@ def test_a_killed_run_leaves_no_server_behind(assets, tmp_path, sig):
             run.kill()
     assert _gone(server["pid"], server["ticks"]), "the Prefect server outlived the verb"
     if sig == signal.SIGTERM:
-        assert run.returncode == 130 and "interrupted; work written so far is kept" in err
+        assert run.returncode == 130 and "interrupted; work written so far is kept" in err, err[-3000:]
         assert "Traceback" not in err
 
 
