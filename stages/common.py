@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -44,6 +46,21 @@ def init_distributed(device: torch.device) -> torch.device:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return device
+
+
+@contextmanager
+def leaving_process_group() -> Iterator[None]:
+    """Destroys, at the end of the block, a process group that :func:`init_distributed` joined in it.
+
+    A gloo group left for the interpreter's exit can abort a run that finished well (its threads
+    outlive Python: "terminate called without an active exception", SIGABRT, after the exports).
+    """
+    joined_before = dist.is_initialized()
+    try:
+        yield
+    finally:
+        if not joined_before and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def is_main_process() -> bool:

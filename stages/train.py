@@ -29,7 +29,8 @@ from diffsynth_core.training.ema import swapped_weights
 from diffsynth_core.training.guards import require_finite
 from diffsynth_core.training.loop import Trainer
 
-from .common import init_distributed, is_main_process, load_components, model_dtype, resolve_device
+from .common import (init_distributed, is_main_process, leaving_process_group, load_components, model_dtype,
+                     resolve_device)
 from .config import RunConfig
 from .exports import LoraExporter, export_lora
 from .identity import METADATA_KEY, base_model, check_resume_base
@@ -142,7 +143,7 @@ def _export_ema(spec: FamilySpec, result, output: Path) -> dict[str, str]:
 
 
 def run(cfg: RunConfig) -> TrainSummary:
-    with output_lock(cfg):  # one training per output folder: a second is refused, naming the first
+    with output_lock(cfg), leaving_process_group():  # one training per output folder: a second is refused
         return _train(cfg)
 
 

@@ -121,3 +121,26 @@ def test_torchrun_with_two_gloo_ranks_trains_like_one_process_accumulating_two_s
     for k in expected:  # all-reduce sums in another order than accumulation: equal up to rounding
         torch.testing.assert_close(got[k], expected[k], rtol=1e-4, atol=1e-6)
     assert [int(r["step"]) for r in read_metrics(ranks.output_dir / "metrics.csv")] == [1, 2, 3]
+
+
+def test_the_training_stage_leaves_the_process_group_it_joined(tmp_path, monkeypatch):
+    """What each torchrun rank relies on to exit cleanly; a group joined before is the caller's to keep."""
+    import torch.distributed as dist
+
+    from stages.common import init_distributed, leaving_process_group
+
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one gloo rank: init_distributed leaves a single process alone...
+    with leaving_process_group():
+        assert init_distributed(torch.device("cpu")) == torch.device("cpu") and not dist.is_initialized()
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    with leaving_process_group():  # ...so join as torchrun's ranks do, within the block
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        assert init_distributed(torch.device("cpu")) == torch.device("cpu")  # already joined: kept
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store2"), 1), rank=0, world_size=1)
+    try:
+        with leaving_process_group():
+            pass
+        assert dist.is_initialized()  # joined before the block: not ours to leave
+    finally:
+        dist.destroy_process_group()
