@@ -270,8 +270,10 @@ def main(argv: list[str] | None = None) -> int:
             return VERBS[args.verb][0](args, extra)
         except Exception as err:  # noqa: BLE001 -- the one place where failures become exit codes
             return report_failure(args.verb, err, args.debug)  # a wrapped interrupt, too: 130
-    except KeyboardInterrupt as interrupt:  # also one that lands while a failure is being reported
-        return report_failure(args.verb, interrupt, args.debug)
+    except BaseException as stopped:  # Ctrl-C, also one landing while a failure is reported; Prefect's SIGTERM
+        if not isinstance(classify(stopped), Interrupted):
+            raise  # SystemExit: argparse's, or a verb's own
+        return report_failure(args.verb, stopped, args.debug)
 
 
 if __name__ == "__main__":

@@ -167,3 +167,14 @@ def test_an_interrupt_landing_while_a_failure_is_reported_still_exits_130(tmp_pa
     assert main(["status", str(tmp_path / "run.toml")]) == 130
     assert capsys.readouterr().err.splitlines()[-1].endswith("interrupted; work written so far is kept, "
                                                              "re-run to resume")
+
+
+def test_prefects_termination_signal_reaching_the_cli_exits_130(tmp_path, monkeypatch, capsys):
+    from prefect.exceptions import TerminationSignal  # a flow's SIGTERM, raised while Prefect holds the signal
+
+    def verb_stopped_in_a_flow(args, extra):
+        raise TerminationSignal(15)
+
+    monkeypatch.setitem(VERBS, "status", (verb_stopped_in_a_flow, VERBS["status"][1]))
+    assert main(["status", str(tmp_path / "run.toml")]) == 130
+    assert "interrupted; work written so far is kept" in capsys.readouterr().err
