@@ -12,12 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 
 from diffsynth_core.errors import EXIT_BUG, EXIT_INPUT, InputError, Interrupted, classify
+from flows.signals import StopSignals
 from stages.compat import diffsynth
 from stages.config import ConfigError, RunConfig
 
@@ -253,27 +252,25 @@ def report_failure(verb: str, err: BaseException, debug: bool) -> int:
     return classified.exit_code
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # DiffSynth-Studio flags (--dataset_base_path ...) leave argv first: mapped per verb in _config.
     own, diffsynth_flags = diffsynth.split_argv(sys.argv[1:] if argv is None else list(argv))
     args, extra = parser.parse_known_args(own)
     extra = diffsynth_flags + extra
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _interrupt)  # like Ctrl-C: servers stopped, runs marked, work kept
-    try:
+    with StopSignals(restore=argv is not None) as signals:  # SIGTERM like Ctrl-C: servers stopped, work kept
         try:
-            return VERBS[args.verb][0](args, extra)
-        except Exception as err:  # noqa: BLE001 -- the one place where failures become exit codes
-            return report_failure(args.verb, err, args.debug)  # a wrapped interrupt, too: 130
-    except BaseException as stopped:  # Ctrl-C, also one landing while a failure is reported; Prefect's SIGTERM
-        if not isinstance(classify(stopped), Interrupted):
-            raise  # SystemExit: argparse's, or a verb's own
-        return report_failure(args.verb, stopped, args.debug)
+            try:
+                return VERBS[args.verb][0](args, extra)
+            except Exception as err:  # noqa: BLE001 -- the one place where failures become exit codes
+                if signals.received:  # a library caught the interrupt and raised its own error without it
+                    raise KeyboardInterrupt(signals.received[0]) from err
+                return report_failure(args.verb, err, args.debug)
+        except BaseException as stopped:  # an interrupt, also one landing while a failure is reported
+            if not isinstance(classify(stopped), Interrupted):
+                raise  # SystemExit: argparse's, or a verb's own
+            signals.absorb()  # the verb ends now: a re-sent or second signal must not kill it mid-line
+            return report_failure(args.verb, stopped, args.debug)
 
 
 if __name__ == "__main__":

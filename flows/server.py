@@ -35,6 +35,8 @@ from pathlib import Path
 
 from diffsynth_core.errors import EnvironmentFailure, InputError
 
+from .signals import deferred
+
 PIDFILE_PREFIX = "splitflow-server-"
 STARTUP_TIMEOUT_S = 90.0
 # Runs in the server's process before uvicorn: die with the verb (Linux), and give up if the
@@ -224,9 +226,7 @@ class LocalServer:
         return self.api_url
 
     def stop(self) -> None:
-        # A Ctrl-C or SIGTERM arriving now waits until the server is down (it is raised after).
-        masked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        try:
+        with deferred():  # a Ctrl-C or SIGTERM arriving now is raised once the server is down
             if self.process is not None and self.process.poll() is None:
                 self.process.terminate()
                 try:
@@ -236,8 +236,6 @@ class LocalServer:
                     self.process.wait()
             self.process = None
             self.pidfile.unlink(missing_ok=True)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, masked)
 
 
 class ApiSession:

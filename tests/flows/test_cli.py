@@ -5,7 +5,6 @@ from pathlib import Path
 
 import pytest
 
-from diffsynth_core.errors import InputError
 from flows.cli import VERBS, build_parser, main
 from flows.runconfig import load_run_config, run_name
 from flows.server import _profile_api_url
@@ -123,58 +122,3 @@ def test_lora_targets_of_a_model_only_the_pools_hold_are_left_to_them(tmp_path):
     with pytest.raises(InputError, match="model.sources.transformer: /gpu-node/qwen/dit.safetensors does not exist"):
         check_lora_targets(cfg, spec, local=True)
 
-
-def _serialised_while_interrupted() -> Exception:
-    """What pydantic (under Prefect's client) raises when Ctrl-C lands inside one of its serializer callbacks."""
-    from pydantic import BaseModel, model_serializer
-
-    class Payload(BaseModel):
-        x: int
-
-        @model_serializer(mode="wrap")
-        def _ser_model(self, handler):
-            raise KeyboardInterrupt("SIGTERM")
-
-    try:
-        Payload(x=1).model_dump()
-    except Exception as wrapped:  # PydanticSerializationError, the interrupt as its __cause__
-        return wrapped
-    raise AssertionError("pydantic did not wrap the interrupt")
-
-
-def test_an_interrupt_a_library_wrapped_exits_130_in_one_line(capsys):
-    from flows.cli import report_failure
-
-    wrapped = _serialised_while_interrupted()
-    assert not isinstance(wrapped, KeyboardInterrupt)
-    assert report_failure("run", wrapped, debug=False) == 130
-    assert capsys.readouterr().err.splitlines() == [
-        "splitflow run: interrupted; work written so far is kept, re-run to resume"]
-
-
-class _InterruptedWhileShown(InputError):
-    """An input error whose message is being formatted when Ctrl-C (or SIGTERM) lands."""
-
-    def __str__(self):
-        raise KeyboardInterrupt("SIGTERM")
-
-
-def test_an_interrupt_landing_while_a_failure_is_reported_still_exits_130(tmp_path, monkeypatch, capsys):
-    def failing_verb(args, extra):
-        raise _InterruptedWhileShown("sample 3: unreadable")
-
-    monkeypatch.setitem(VERBS, "status", (failing_verb, VERBS["status"][1]))
-    assert main(["status", str(tmp_path / "run.toml")]) == 130
-    assert capsys.readouterr().err.splitlines()[-1].endswith("interrupted; work written so far is kept, "
-                                                             "re-run to resume")
-
-
-def test_prefects_termination_signal_reaching_the_cli_exits_130(tmp_path, monkeypatch, capsys):
-    from prefect.exceptions import TerminationSignal  # a flow's SIGTERM, raised while Prefect holds the signal
-
-    def verb_stopped_in_a_flow(args, extra):
-        raise TerminationSignal(15)
-
-    monkeypatch.setitem(VERBS, "status", (verb_stopped_in_a_flow, VERBS["status"][1]))
-    assert main(["status", str(tmp_path / "run.toml")]) == 130
-    assert "interrupted; work written so far is kept" in capsys.readouterr().err

@@ -1,0 +1,92 @@
+"""How a CLI verb takes Ctrl-C and SIGTERM: as ``KeyboardInterrupt``, remembered, absorbed once reported.
+
+* Both raise ``KeyboardInterrupt`` in the main thread (SIGTERM like Ctrl-C: servers stopped, runs
+  marked, work kept), and the CLI exits 130 in one line.
+* Each one is remembered, because a library may catch the exception and raise its own without it:
+  pydantic-settings, under ``prefect.settings.temporary_settings``, raised
+  ``PydanticSerializationError: Error calling function `_ser_model`: KeyboardInterrupt: SIGTERM``
+  with no cause attached, which the CLI reported as a bug (exit 1).
+* Once the interrupt is being reported, later ones are absorbed.  A Prefect flow holds SIGTERM while
+  it runs and re-sends the one it caught to the process (``capture_sigterm`` in
+  ``prefect/utilities/engine/__init__.py``: ``os.kill(os.getpid(), exc.signal)``); the kernel may hand
+  it to another thread, so it can land after the verb printed its line and killed the process
+  through Python's unhandled-``KeyboardInterrupt`` exit (status -2 instead of 130).
+
+:func:`deferred` is for a few lines that must not be cut (stopping the private server): a signal
+arriving there is raised when they are done.  Masking the signal would not do: the kernel delivers
+a process-directed signal to any thread that has it unmasked, and Python then runs the handler in
+the main thread regardless.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+STOPPING = (signal.SIGINT, signal.SIGTERM)
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()  # signal.signal works only there
+
+
+def _absorbed(signum, frame) -> None:
+    """The verb is already ending on an interrupt: a second one (or Prefect's re-sent one) changes nothing."""
+
+
+class StopSignals:
+    """Ctrl-C and SIGTERM for one verb: ``received`` names those that arrived.
+
+    ``restore``: put the previous handlers back at the end (``main`` called in-process, by tests or
+    an embedding program); a process entry keeps ours, so a re-sent signal after ``main`` returned
+    is still absorbed.
+    """
+
+    def __init__(self, restore: bool):
+        self.restore = restore
+        self.received: list[str] = []
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "StopSignals":
+        if _in_main_thread():
+            self._previous = {sig: signal.signal(sig, self._interrupt) for sig in STOPPING}
+        return self
+
+    def _interrupt(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        self.received.append(name)
+        raise KeyboardInterrupt(name)
+
+    def absorb(self) -> None:
+        """From now on the verb reports its interrupt and ends: further stop signals are absorbed."""
+        if self._previous:
+            for sig in STOPPING:
+                signal.signal(sig, _absorbed)
+
+    def __exit__(self, *exc) -> None:
+        if self.restore:
+            _reinstall(self._previous)
+
+
+@contextmanager
+def deferred() -> Iterator[None]:
+    """Ctrl-C or SIGTERM arriving inside the block is raised after it, through the handler in place then."""
+    if not _in_main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: arrived.append(signum)) for sig in STOPPING}
+    try:
+        yield
+    finally:
+        _reinstall(previous)
+        for signum in dict.fromkeys(arrived):  # each signal once, in order of arrival
+            signal.raise_signal(signum)
+
+
+def _reinstall(handlers: dict[int, object]) -> None:
+    for sig, handler in handlers.items():
+        if handler is not None:  # None: installed outside Python, cannot be put back from here
+            signal.signal(sig, handler)
