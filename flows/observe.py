@@ -18,7 +18,7 @@ import re
 import sys
 from contextlib import contextmanager
 
-from diffsynth_core.errors import EnvironmentFailure, InputError, classify
+from diffsynth_core.errors import EnvironmentFailure, InputError, Interrupted, classify
 from stages.config import RunConfig
 
 PROJECT_LOGGERS = ("stages", "diffsynth_core", "cache_store", "flows")
@@ -115,6 +115,8 @@ def failure_kind(exc: BaseException) -> tuple[str, str]:
     classified = classify(exc)
     if classified is None:
         return "bug", f"{type(exc).__name__}: {exc}"
+    if isinstance(classified, Interrupted):  # on a worker: its machine or the worker was stopped, not the run
+        return "retryable", f"{classified} (the worker was stopped)"
     if isinstance(classified, InputError):
         return "input", str(classified)
     return ("retryable" if classified.retryable else "terminal"), str(classified)

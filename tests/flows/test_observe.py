@@ -2,7 +2,7 @@
 
 import logging
 
-from flows.observe import _FailureEchoFilter, console
+from flows.observe import _FailureEchoFilter, console, failure_kind
 
 
 def _echo_filters() -> list[int]:
@@ -20,3 +20,18 @@ def test_each_session_leaves_one_echo_filter_and_debug_none():
     assert counts and set(counts) == {1}
     console(debug=True)
     assert set(_echo_filters()) == {0}
+
+
+def test_a_worker_stopped_mid_stage_is_re_submitted_not_ended():
+    """A SIGTERM on a pool worker (spot preemption, worker shut down) that a library wrapped reaches the
+    stage flow as an ordinary error: the coordinator must run the part again elsewhere."""
+    from prefect.exceptions import TerminationSignal
+
+    try:
+        try:
+            raise TerminationSignal(15)
+        except BaseException:
+            raise RuntimeError("Error calling function `_ser_model`")
+    except RuntimeError as wrapped:
+        kind, line = failure_kind(wrapped)
+    assert kind == "retryable" and "interrupted" in line
