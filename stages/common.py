@@ -54,13 +54,18 @@ def leaving_process_group() -> Iterator[None]:
 
     A gloo group left for the interpreter's exit can abort a run that finished well (its threads
     outlive Python: "terminate called without an active exception", SIGABRT, after the exports).
+    After a failure only a gloo group is destroyed: NCCL's shutdown may wait on a collective that
+    the failed rank's peers never finish, and the process is ending anyway.
     """
     joined_before = dist.is_initialized()
     try:
         yield
-    finally:
-        if not joined_before and dist.is_initialized():
+    except BaseException:
+        if not joined_before and dist.is_initialized() and dist.get_backend() == "gloo":
             dist.destroy_process_group()
+        raise
+    if not joined_before and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def is_main_process() -> bool:

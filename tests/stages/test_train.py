@@ -127,6 +127,7 @@ def test_the_training_stage_leaves_the_process_group_it_joined(tmp_path, monkeyp
     """What each torchrun rank relies on to exit cleanly; a group joined before is the caller's to keep."""
     import torch.distributed as dist
 
+    from diffsynth_core.errors import InputError
     from stages.common import init_distributed, leaving_process_group
 
     monkeypatch.setenv("WORLD_SIZE", "1")  # one gloo rank: init_distributed leaves a single process alone...
@@ -136,6 +137,10 @@ def test_the_training_stage_leaves_the_process_group_it_joined(tmp_path, monkeyp
     with leaving_process_group():  # ...so join as torchrun's ranks do, within the block
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
         assert init_distributed(torch.device("cpu")) == torch.device("cpu")  # already joined: kept
+    assert not dist.is_initialized()
+    with pytest.raises(InputError), leaving_process_group():  # a failed gloo rank leaves it too
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store1"), 1), rank=0, world_size=1)
+        raise InputError("sample 3: unreadable")
     assert not dist.is_initialized()
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store2"), 1), rank=0, world_size=1)
     try:
