@@ -12,7 +12,9 @@ must act:
   Often transient, so retryable unless a subclass or instance says otherwise.
 
 A third, :class:`Interrupted` (exit code 130), is no failure: Ctrl-C or SIGTERM stopped the work,
-also when a library caught the signal's exception and raised its own around it.  Never retried.
+also when a library caught the signal's exception and raised its own around it.  A local run
+never retries it; on a pool worker it means the worker was stopped, and the coordinator runs the
+work again elsewhere (``flows/observe.failure_kind``).
 
 Anything else that escapes is a bug (exit code 1).  The CLI maps these classes to exit codes in
 one place (``flows/cli.py``); the coordinator reads ``retryable`` to decide on re-submission.
