@@ -101,7 +101,7 @@ def classify(exc: BaseException) -> SplitflowError | None:
     ``PydanticSerializationError`` caused by the ``KeyboardInterrupt``).
     """
     chain = _chain(exc)
-    if any(_is_signal(current) for current in chain):  # first: the user stopped it, whatever broke after
+    if any(is_interrupt(current) for current in chain):  # first: the user stopped it, whatever broke after
         return Interrupted("interrupted; work written so far is kept, re-run to resume")
     for current in chain:
         if isinstance(current, SplitflowError):
@@ -130,7 +130,7 @@ def _chain(exc: BaseException) -> list[BaseException]:
     return chain
 
 
-def _is_signal(exc: BaseException) -> bool:
+def is_interrupt(exc: BaseException) -> bool:
     """Ctrl-C (``KeyboardInterrupt``) or another signal raised as a non-``Exception`` (Prefect's
     ``TerminationSignal`` while a flow holds SIGTERM); not ``SystemExit``, which is a program's own exit."""
     return not isinstance(exc, (Exception, SystemExit, GeneratorExit))

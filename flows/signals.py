@@ -6,6 +6,9 @@
   pydantic-settings, under ``prefect.settings.temporary_settings``, raised
   ``PydanticSerializationError: Error calling function `_ser_model`: KeyboardInterrupt: SIGTERM``
   with no cause attached, which the CLI reported as a bug (exit 1).
+* One raised where Python cannot propagate it -- a ``__del__`` or a weakref callback the garbage
+  collector ran just then ("Exception ignored in ...") -- is delivered again, or the verb would
+  carry on as if no signal had come.
 * Once the interrupt is being reported, later ones are absorbed.  A Prefect flow holds SIGTERM while
   it runs and re-sends the one it caught to the process (``capture_sigterm`` in
   ``prefect/utilities/engine/__init__.py``: ``os.kill(os.getpid(), exc.signal)``); the kernel may hand
@@ -20,16 +23,25 @@ the main thread regardless.
 
 from __future__ import annotations
 
+import _thread
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from diffsynth_core.errors import is_interrupt
 
 STOPPING = (signal.SIGINT, signal.SIGTERM)
 
 
 def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()  # signal.signal works only there
+
+
+def _interrupt_main_after(event: threading.Event, signum: int) -> None:
+    event.wait()
+    _thread.interrupt_main(signum)
 
 
 def _absorbed(signum, frame) -> None:
@@ -48,26 +60,47 @@ class StopSignals:
         self.restore = restore
         self.received: list[str] = []
         self._previous: dict[int, object] = {}
+        self._previous_hook = sys.unraisablehook
+        self._last = signal.SIGINT
+        self._ending = False
 
     def __enter__(self) -> "StopSignals":
         if _in_main_thread():
             self._previous = {sig: signal.signal(sig, self._interrupt) for sig in STOPPING}
+            self._previous_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
         return self
 
     def _interrupt(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         self.received.append(name)
+        self._last = signum
         raise KeyboardInterrupt(name)
+
+    def _unraisable(self, unraisable) -> None:
+        stopped = unraisable.exc_value
+        if self._ending or stopped is None or not is_interrupt(stopped):
+            self._previous_hook(unraisable)
+            return
+        # Lost where it was raised: simulate the signal again in the main thread (Prefect's
+        # TerminationSignal carries its own).  From another thread, once this hook returns: one
+        # simulated while the hook runs would be raised inside it, and lost the same way.
+        # Nothing to print: the interrupt is not lost.
+        hook_done = threading.Event()
+        threading.Thread(target=_interrupt_main_after, args=(hook_done, getattr(stopped, "signal", None) or self._last),
+                         daemon=True).start()
+        hook_done.set()
 
     def absorb(self) -> None:
         """From now on the verb reports its interrupt and ends: further stop signals are absorbed."""
+        self._ending = True
         if self._previous:
             for sig in STOPPING:
                 signal.signal(sig, _absorbed)
 
     def __exit__(self, *exc) -> None:
-        if self.restore:
+        if self.restore and self._previous:
             _reinstall(self._previous)
+            sys.unraisablehook = self._previous_hook
 
 
 @contextmanager

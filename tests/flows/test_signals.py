@@ -124,3 +124,26 @@ def test_a_signal_during_a_deferred_block_is_raised_after_it():
             time.sleep(0.2)
             finished.append("the block")
     assert finished == ["the block"]
+
+
+class _SignalledWhileCollected:
+    """An object whose finalizer is running when SIGTERM lands: Python can only print what it raises."""
+
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)  # the handler runs here, inside __del__: "Exception ignored in ..."
+
+
+def test_a_signal_lost_in_a_finalizer_is_delivered_again(tmp_path, monkeypatch, capsys):
+    steps = []
+
+    def verb_collecting_garbage(args, extra):
+        _SignalledWhileCollected()  # collected at once, its __del__ runs here
+        for step in range(50):  # the rest of the work, which the signal must stop
+            steps.append(step)
+            time.sleep(0.1)
+        return 0
+
+    _with_verb(monkeypatch, verb_collecting_garbage)
+    assert main(["status", str(tmp_path / "run.toml")]) == 130
+    assert len(steps) < 5 and capsys.readouterr().err.splitlines() == [f"splitflow status: {INTERRUPTED}"]
