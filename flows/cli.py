@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     own, diffsynth_flags = diffsynth.split_argv(sys.argv[1:] if argv is None else list(argv))
     args, extra = parser.parse_known_args(own)
     extra = diffsynth_flags + extra
-    with StopSignals(restore=argv is not None) as signals:  # SIGTERM like Ctrl-C: servers stopped, work kept
+    with StopSignals(args.verb, restore=argv is not None) as signals:  # SIGTERM like Ctrl-C: servers stopped, work kept
         try:
             try:
                 return VERBS[args.verb][0](args, extra)

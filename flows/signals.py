@@ -9,6 +9,11 @@
 * One raised where Python cannot propagate it -- a ``__del__`` or a weakref callback the garbage
   collector ran just then ("Exception ignored in ...") -- is delivered again, or the verb would
   carry on as if no signal had come.
+* From the first interrupt on, the verb exits within ``STOP_GRACE_S`` whatever holds it: a
+  stop seen under load deadlocked in tqdm's lock, which a thread had left held (its worker thread
+  and the CLI's own closing of the progress bars waited on it forever, and so did the
+  interpreter's join of the task threads).  Exiting then is as safe as a SIGKILL: every write
+  is atomic, and the next run resumes (README).
 * Once the interrupt is being reported, later ones are absorbed.  A Prefect flow holds SIGTERM while
   it runs and re-sends the one it caught to the process (``capture_sigterm`` in
   ``prefect/utilities/engine/__init__.py``: ``os.kill(os.getpid(), exc.signal)``); the kernel may hand
@@ -24,15 +29,17 @@ the main thread regardless.
 from __future__ import annotations
 
 import _thread
+import os
 import signal
 import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from diffsynth_core.errors import is_interrupt
+from diffsynth_core.errors import EXIT_INTERRUPTED, is_interrupt
 
 STOPPING = (signal.SIGINT, signal.SIGTERM)
+STOP_GRACE_S = 30.0  # crash reports, log flush (<= 5 s) and the server's stop (<= 10 s) fit well within
 
 
 def _in_main_thread() -> bool:
@@ -51,13 +58,15 @@ def _absorbed(signum, frame) -> None:
 class StopSignals:
     """Ctrl-C and SIGTERM for one verb: ``received`` names those that arrived.
 
-    ``restore``: put the previous handlers back at the end (``main`` called in-process, by tests or
-    an embedding program); a process entry keeps ours, so a re-sent signal after ``main`` returned
-    is still absorbed.
+    ``restore``: put the previous handlers back at the end and drop the deadline (``main`` called
+    in-process, by tests or an embedding program); a process entry keeps both, so a re-sent signal
+    after ``main`` returned is still absorbed, and a thread the interpreter cannot join at exit
+    does not hold the process.
     """
 
-    def __init__(self, restore: bool):
-        self.restore = restore
+    def __init__(self, verb: str, restore: bool):
+        self.verb, self.restore = verb, restore
+        self._deadline: threading.Timer | None = None
         self.received: list[str] = []
         self._previous: dict[int, object] = {}
         self._previous_hook = sys.unraisablehook
@@ -74,7 +83,20 @@ class StopSignals:
         name = signal.Signals(signum).name
         self.received.append(name)
         self._last = signum
+        self._start_deadline()
         raise KeyboardInterrupt(name)
+
+    def _start_deadline(self) -> None:
+        if self._deadline is None:
+            self._deadline = threading.Timer(STOP_GRACE_S, self._exit_now)
+            self._deadline.daemon = True
+            self._deadline.start()
+
+    def _exit_now(self) -> None:
+        sys.stderr.write(f"splitflow {self.verb}: interrupted, and stopping took over {STOP_GRACE_S:.0f} s: exiting "
+                         "now; work written so far is kept, re-run to resume\n")
+        sys.stderr.flush()
+        os._exit(EXIT_INTERRUPTED)
 
     def _unraisable(self, unraisable) -> None:
         stopped = unraisable.exc_value
@@ -93,11 +115,14 @@ class StopSignals:
     def absorb(self) -> None:
         """From now on the verb reports its interrupt and ends: further stop signals are absorbed."""
         self._ending = True
+        self._start_deadline()  # also for an interrupt that came as Prefect's TerminationSignal alone
         if self._previous:
             for sig in STOPPING:
                 signal.signal(sig, _absorbed)
 
     def __exit__(self, *exc) -> None:
+        if self.restore and self._deadline is not None:  # in-process: the caller's process lives on
+            self._deadline.cancel()
         if self.restore and self._previous:
             _reinstall(self._previous)
             sys.unraisablehook = self._previous_hook

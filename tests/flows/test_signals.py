@@ -118,7 +118,7 @@ def test_the_sigterm_prefect_resends_after_the_line_does_not_kill_the_verb():
 
 def test_a_signal_during_a_deferred_block_is_raised_after_it():
     finished = []
-    with StopSignals(restore=True), pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+    with StopSignals("status", restore=True), pytest.raises(KeyboardInterrupt, match="SIGTERM"):
         with deferred():  # e.g. the private server being stopped: its pidfile must go too
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.2)
@@ -147,3 +147,35 @@ def test_a_signal_lost_in_a_finalizer_is_delivered_again(tmp_path, monkeypatch, 
     _with_verb(monkeypatch, verb_collecting_garbage)
     assert main(["status", str(tmp_path / "run.toml")]) == 130
     assert len(steps) < 5 and capsys.readouterr().err.splitlines() == [f"splitflow status: {INTERRUPTED}"]
+
+
+def test_a_stop_that_deadlocks_still_ends_the_verb_within_the_grace():
+    """Seen under load: a thread had left tqdm's lock held; after the SIGTERM the CLI's closing of the
+    progress bars (and a task thread, and the interpreter's join of it) waited on it forever."""
+    script = textwrap.dedent("""
+        import os, signal, sys, threading, time
+        from tqdm import tqdm
+        from flows import cli, signals
+
+        signals.STOP_GRACE_S = 1.0
+
+        def verb_whose_library_lock_is_left_held(args, extra):
+            bar = tqdm(total=10, desc="preprocess")
+            leaver = threading.Thread(target=tqdm.get_lock().acquire)  # dies holding the lock
+            leaver.start()
+            leaver.join()
+            waiter = threading.Thread(target=bar.update)  # a task thread, waiting on it: never joins
+            waiter.start()
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(60)
+
+        cli.VERBS["status"] = (verb_whose_library_lock_is_left_held, "")
+        sys.exit(cli.main())
+    """)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script, "status", "run.toml"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 130 and time.monotonic() - started < 30, done.stderr[-3000:]
+    assert done.stderr.splitlines()[-1].endswith(  # after the bar's own partial line
+        "splitflow status: interrupted, and stopping took over 1 s: exiting now; work written so far is kept, "
+        "re-run to resume")
