@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                 return VERBS[args.verb][0](args, extra)
             except Exception as err:  # noqa: BLE001 -- the one place where failures become exit codes
                 if signals.received:  # a library caught the interrupt and raised its own error without it
-                    raise KeyboardInterrupt(signals.received[0]) from err
+                    raise KeyboardInterrupt(signals.received[0].name) from err
                 return report_failure(args.verb, err, args.debug)
         except BaseException as stopped:  # an interrupt, also one landing while a failure is reported
             if not isinstance(classify(stopped), Interrupted):

@@ -56,7 +56,7 @@ def _absorbed(signum, frame) -> None:
 
 
 class StopSignals:
-    """Ctrl-C and SIGTERM for one verb: ``received`` names those that arrived.
+    """Ctrl-C and SIGTERM for one verb: ``received`` holds those that arrived, in order.
 
     ``restore``: put the previous handlers back at the end and drop the deadline (``main`` called
     in-process, by tests or an embedding program); a process entry keeps both, so a re-sent signal
@@ -67,10 +67,9 @@ class StopSignals:
     def __init__(self, verb: str, restore: bool):
         self.verb, self.restore = verb, restore
         self._deadline: threading.Timer | None = None
-        self.received: list[str] = []
+        self.received: list[signal.Signals] = []
         self._previous: dict[int, object] = {}
         self._previous_hook = sys.unraisablehook
-        self._last = signal.SIGINT
         self._ending = False
 
     def __enter__(self) -> "StopSignals":
@@ -80,11 +79,9 @@ class StopSignals:
         return self
 
     def _interrupt(self, signum, frame) -> None:
-        name = signal.Signals(signum).name
-        self.received.append(name)
-        self._last = signum
+        self.received.append(signal.Signals(signum))
         self._start_deadline()
-        raise KeyboardInterrupt(name)
+        raise KeyboardInterrupt(self.received[-1].name)
 
     def _start_deadline(self) -> None:
         if self._deadline is None:
@@ -107,9 +104,9 @@ class StopSignals:
         # TerminationSignal carries its own).  From another thread, once this hook returns: one
         # simulated while the hook runs would be raised inside it, and lost the same way.
         # Nothing to print: the interrupt is not lost.
+        signum = getattr(stopped, "signal", None) or (self.received or [signal.SIGINT])[-1]
         hook_done = threading.Event()
-        threading.Thread(target=_interrupt_main_after, args=(hook_done, getattr(stopped, "signal", None) or self._last),
-                         daemon=True).start()
+        threading.Thread(target=_interrupt_main_after, args=(hook_done, signum), daemon=True).start()
         hook_done.set()
 
     def absorb(self) -> None:
@@ -121,9 +118,11 @@ class StopSignals:
                 signal.signal(sig, _absorbed)
 
     def __exit__(self, *exc) -> None:
-        if self.restore and self._deadline is not None:  # in-process: the caller's process lives on
+        if not self.restore:
+            return
+        if self._deadline is not None:  # in-process: the caller's process lives on
             self._deadline.cancel()
-        if self.restore and self._previous:
+        if self._previous:
             _reinstall(self._previous)
             sys.unraisablehook = self._previous_hook
 
