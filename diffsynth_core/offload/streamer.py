@@ -28,8 +28,8 @@ import torch
 
 from .arena import typed_view
 from .plan import master_view, stage_count
-from .quant import dequantize_rows
 from .units import Unit
+from .widening import UnitWidening
 
 
 @dataclass
@@ -69,6 +69,9 @@ class Streamer:
         self.home = {u.index: i % max(len(self.slots), 1) for i, u in enumerate(units)}
         # Units kept on the device as stored (fp8, chosen by the budget): widened from there.
         self.stored: dict[int, torch.Tensor] = {}
+        self.widening = {u.index: UnitWidening(u, device) for u in units if u.casts}
+        if self.widen_stream is not None:  # the widenings' tables were just copied on this stream
+            self.widen_stream.wait_stream(torch.cuda.current_stream(device))
         self.copies = 0  # host->device copies
         self.widenings = 0  # loads widened from a device copy (no host->device copy)
         self.staged_ahead = 0  # copies started before their slot was free (``stage_ahead``)
@@ -123,7 +126,7 @@ class Streamer:
         are synchronous)."""
         stored = self.stored.get(unit.index)
         if stored is not None:  # kept on the device as stored: only the widening runs
-            return self._widen_after(unit, stored, views, after)
+            return self._widen_after(unit, stored, buf, views, after)
         src = self.arena.region(unit.host_offset, unit.host_bytes)
         if not unit.casts:  # identical layouts: one copy lands every tensor in place
             if not self.cuda:
@@ -135,7 +138,7 @@ class Streamer:
                 buf.narrow(0, 0, unit.host_bytes).copy_(src, non_blocking=True)
                 return self.copy_stream.record_event()
         i, copied = self.staged.pop(unit.index, None) or self._copy_to_stage(unit, src)
-        done = self._widen_after(unit, self.stages[i].narrow(0, 0, unit.host_bytes), views,
+        done = self._widen_after(unit, self.stages[i].narrow(0, 0, unit.host_bytes), buf, views,
                                  [copied, *after] if copied is not None else after)
         self.stage_free[i] = done  # the next copy into this stage waits for it
         return done
@@ -173,17 +176,17 @@ class Streamer:
         self.staged[unit.index] = self._copy_to_stage(unit, self.arena.region(unit.host_offset, unit.host_bytes))
         return True
 
-    def _widen_after(self, unit: Unit, src: torch.Tensor, views: list[torch.Tensor], after):
+    def _widen_after(self, unit: Unit, src: torch.Tensor, dst: torch.Tensor, views: list[torch.Tensor], after):
         """Widen ``unit``'s stored bytes in ``src`` (a staging buffer or its device copy) into
-        ``views`` once the events ``after`` have passed; on CUDA on the widening stream, returning
-        the event that says it is done (``None`` on a CPU target)."""
+        ``dst`` (its ``views``) once the events ``after`` have passed; on CUDA on the widening
+        stream, returning the event that says it is done (``None`` on a CPU target)."""
         if not self.cuda:
-            self._widen(unit, src, views)
+            self.widening[unit.index].run(src, dst, views)
             return None
         with torch.cuda.stream(self.widen_stream):
             for event in after:
                 self.widen_stream.wait_event(event)
-            self._widen(unit, src, views)
+            self.widening[unit.index].run(src, dst, views)
             return self.widen_stream.record_event()
 
     def keep_as_stored(self, units: list[Unit]) -> None:
@@ -209,17 +212,6 @@ class Streamer:
                 self.stored[unit.index] = buf
         if self.cuda and units:  # widenings from these copies wait for them to land
             self.widen_stream.wait_stream(self.copy_stream)
-
-    @staticmethod
-    def _widen(unit: Unit, stage: torch.Tensor, views: list[torch.Tensor]) -> None:
-        """Widen e.g. fp8 storage in ``stage`` to the compute dtype in ``views``, on the device."""
-        for rec, view in zip(unit.tensors, views):
-            stored = typed_view(stage, rec.host_offset, rec.store_dtype, rec.shape)
-            if rec.quantized:
-                scales = typed_view(stage, rec.scale_offset, torch.float32, torch.Size([rec.shape[0]]))
-                dequantize_rows(stored, scales, rec.compute_dtype, out=view)
-            else:
-                view.copy_(stored)
 
     def copy_to(self, unit: Unit, buf: torch.Tensor) -> None:
         """Copy ``unit`` into ``buf`` (a device buffer of its own, kept for good) and point it there."""

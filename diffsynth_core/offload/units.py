@@ -67,10 +67,14 @@ class Unit:
     host_bytes: int = 0  # bytes in the host region (store layout)
     dev_bytes: int = 0  # bytes in a device slot (compute layout)
     host_offset: int = 0  # into the arena
+    plain_bytes: int = 0  # leading bytes stored as computed: identical in both layouts
 
     def layout(self) -> None:
         """Assign 64-byte aligned offsets: host (store dtype) and device (compute dtype) layouts.
-        Without casts the two layouts are identical, so one copy lands every tensor in place."""
+        Without casts the two layouts are identical, so one copy lands every tensor in place.  With
+        casts, the tensors stored as computed come first (a stable sort): they sit at the same offsets
+        in both layouts, so one copy of ``plain_bytes`` lands them all (``widening``)."""
+        self.tensors.sort(key=lambda rec: rec.needs_cast)
         host = dev = 0
         for rec in self.tensors:
             rec.host_offset = host
@@ -80,6 +84,8 @@ class Unit:
                 host = align_up(host + rec.shape[0] * 4)
             rec.dev_offset = dev
             dev = align_up(dev + rec.numel * rec.compute_dtype.itemsize)
+            if not rec.needs_cast:
+                self.plain_bytes = dev
         self.host_bytes, self.dev_bytes = host, dev
 
     @property

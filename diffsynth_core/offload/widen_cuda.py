@@ -40,6 +40,36 @@ def _kernel():
 
 
 @functools.cache
+def _segments_kernel():
+    """``widen_rows`` over several tensors in one launch: a unit's fp8 weights (*segments*), read
+    from one buffer and written into another.  ``table`` holds six rows of ``MAXSEG`` int64: each
+    segment's first program, and its codes, scales and output offsets (in elements of their
+    pointers' dtypes), columns per row and programs per row.  Each program finds its segment by
+    counting the first programs at or below its own id, then widens one block of one row."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def widen_segments(q_ptr, scale_ptr, out_ptr, table_ptr, n, MAXSEG: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        idx = tl.arange(0, MAXSEG)
+        firsts = tl.load(table_ptr + idx, mask=idx < n, other=1 << 62)
+        seg = tl.sum((firsts <= pid).to(tl.int32), axis=0) - 1
+        local = pid - tl.load(table_ptr + seg)
+        cols = tl.load(table_ptr + 4 * MAXSEG + seg)
+        per_row = tl.load(table_ptr + 5 * MAXSEG + seg)
+        row = local // per_row
+        col = (local % per_row) * BLOCK + tl.arange(0, BLOCK)
+        mask = col < cols
+        scale = tl.load(scale_ptr + tl.load(table_ptr + 2 * MAXSEG + seg) + row)
+        x = tl.load(q_ptr + tl.load(table_ptr + MAXSEG + seg) + row * cols + col, mask=mask).to(tl.float32)
+        out = out_ptr + tl.load(table_ptr + 3 * MAXSEG + seg) + row * cols + col
+        tl.store(out, (x * scale).to(out_ptr.dtype.element_ty), mask=mask)
+
+    return widen_segments
+
+
+@functools.cache
 def _triton_importable() -> bool:
     try:
         _kernel()
@@ -66,6 +96,40 @@ def widen_rows(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> bool
     rows = q.shape[0]
     try:
         kernel[(rows, cdiv(q.numel() // rows, BLOCK))](q, scales, out, q.numel() // rows, BLOCK=BLOCK)
+    except Exception as err:  # compilation failed for this GPU: widen eagerly from now on
+        _unsupported.add(key)
+        warnings.warn(f"offload: the one-pass fp8 widening does not compile here ({type(err).__name__}); "
+                      f"using PyTorch's two-pass widening", RuntimeWarning, stacklevel=2)
+        return False
+    return True
+
+
+def segment_table(segments: list[tuple[int, int, int, int, int]], device) -> tuple[torch.Tensor, int, int]:
+    """The ``table`` of ``widen_segments`` for ``segments`` = (codes, scales, output offsets in
+    elements, rows, columns) each; returns (table on ``device``, segments, programs)."""
+    maxseg = max(2, 1 << (len(segments) - 1).bit_length())
+    fields = [[0] * maxseg for _ in range(6)]
+    programs = 0
+    for i, (q_off, s_off, o_off, rows, cols) in enumerate(segments):
+        per_row = -(-cols // BLOCK)
+        for f, v in enumerate((programs, q_off, s_off, o_off, cols, per_row)):
+            fields[f][i] = v
+        programs += rows * per_row
+    return torch.tensor(fields, dtype=torch.int64, device=device), len(segments), programs
+
+
+def widen_segments(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, table: tuple[torch.Tensor, int, int]) -> bool:
+    """Widen every segment of ``table`` (``segment_table``) from ``q`` (fp8) and ``scales`` (fp32),
+    flat views of one buffer, into ``out``, a flat view of another, in one launch; ``False``
+    (nothing written) where the kernel does not apply, as for ``widen_rows``."""
+    tensor, n, programs = table
+    if not (q.is_cuda and programs > 0):
+        return False
+    key = (torch.cuda.get_device_capability(q.device), q.dtype, out.dtype)
+    if key in _unsupported or not _triton_importable():
+        return False
+    try:
+        _segments_kernel()[(programs,)](q, scales, out, tensor, n, MAXSEG=tensor.shape[1], BLOCK=BLOCK)
     except Exception as err:  # compilation failed for this GPU: widen eagerly from now on
         _unsupported.add(key)
         warnings.warn(f"offload: the one-pass fp8 widening does not compile here ({type(err).__name__}); "

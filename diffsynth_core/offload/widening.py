@@ -1,0 +1,77 @@
+"""One unit's stored bytes (e.g. fp8 codes and scales) widened into its compute layout, in few launches.
+
+Per tensor, a widening is a handful of Python calls and one kernel launch: a real-width Qwen-Image
+block holds 32 tensors, so the 120 loads of a 60-block step cost ~3,700 launches, host time the
+training step can ill afford (on the H200 the host issues a step's kernels only ~30 ms ahead of
+the GPU, ``bench/results/step_start_h200.json``).  So a unit is widened in two moves:
+
+* the tensors stored as computed (biases, norm scales) lead both layouts at the same offsets
+  (``Unit.layout``): one copy of ``plain_bytes`` lands them all;
+* its fp8 tensors of one (storage, compute) dtype pair go through ``widen_cuda.widen_segments``,
+  one launch per ``SEGMENTS`` tensors.
+
+Whatever the kernel does not cover (no Triton, a CPU target, another cast) is widened tensor by
+tensor, as ``quant.dequantize_rows`` defines it; every path gives the same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import widen_cuda
+from .arena import typed_view
+from .quant import dequantize_rows
+from .units import TensorRecord, Unit
+
+SEGMENTS = 64  # tensors per batched launch (the kernel's table grows with it)
+
+
+class UnitWidening:
+    def __init__(self, unit: Unit, device: torch.device):
+        self.unit = unit
+        self.plain = sum(not rec.needs_cast for rec in unit.tensors)  # they lead (Unit.layout)
+        self.groups: list[tuple[torch.dtype, torch.dtype, set[int], tuple]] = []
+        if device.type == "cuda":
+            self._plan_batches(device)
+
+    def _plan_batches(self, device: torch.device) -> None:
+        by_dtypes: dict[tuple, list[TensorRecord]] = {}
+        for rec in self.unit.tensors[self.plain:]:
+            if rec.quantized:
+                by_dtypes.setdefault((rec.store_dtype, rec.compute_dtype), []).append(rec)
+        for (store, compute), recs in by_dtypes.items():
+            for i in range(0, len(recs), SEGMENTS):
+                chunk = recs[i:i + SEGMENTS]
+                segments = [(r.host_offset // store.itemsize, r.scale_offset // 4, r.dev_offset // compute.itemsize,
+                             r.shape[0], r.numel // r.shape[0]) for r in chunk]
+                table = widen_cuda.segment_table(segments, device)
+                self.groups.append((store, compute, {id(r) for r in chunk}, table))
+
+    def run(self, src: torch.Tensor, dst: torch.Tensor, views: list[torch.Tensor]) -> None:
+        """Widen from ``src`` (uint8, the unit's stored layout from its start) into ``dst`` (uint8, the
+        compute layout from its start), whose per-tensor views are ``views``."""
+        plain_bytes = self.unit.plain_bytes
+        if plain_bytes:
+            dst.narrow(0, 0, plain_bytes).copy_(src.narrow(0, 0, plain_bytes))
+        done: set[int] = set()
+        for store, compute, ids, table in self.groups:
+            if widen_cuda.widen_segments(_flat(src, store), _flat(src, torch.float32), _flat(dst, compute), table):
+                done |= ids
+        for rec, view in zip(self.unit.tensors[self.plain:], views[self.plain:]):
+            if id(rec) not in done:
+                widen_one(rec, src, view)
+
+
+def _flat(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``buf`` (uint8) seen as one flat tensor of ``dtype`` (its whole elements)."""
+    return buf.narrow(0, 0, buf.numel() // dtype.itemsize * dtype.itemsize).view(dtype)
+
+
+def widen_one(rec: TensorRecord, src: torch.Tensor, view: torch.Tensor) -> None:
+    """Widen one tensor's stored bytes in ``src`` into ``view``."""
+    stored = typed_view(src, rec.host_offset, rec.store_dtype, rec.shape)
+    if rec.quantized:
+        scales = typed_view(src, rec.scale_offset, torch.float32, torch.Size([rec.shape[0]]))
+        dequantize_rows(stored, scales, rec.compute_dtype, out=view)
+    else:
+        view.copy_(stored)

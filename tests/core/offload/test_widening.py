@@ -1,0 +1,96 @@
+"""A unit stored in fp8 widened in few launches: its layout, and the same bits as tensor by tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from diffsynth_core.offload import widening
+from diffsynth_core.offload.arena import HostArena, typed_view
+from diffsynth_core.offload.plan import build_plan
+from diffsynth_core.offload.widening import UnitWidening, widen_one
+
+FP8 = torch.float8_e4m3fn
+
+
+class Mixed(nn.Module):
+    """Weights of ragged widths (a row not a multiple of the kernel's block, a conv), with biases and
+    a norm scale registered between them, as real blocks interleave them."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3000, 257)
+        self.norm = nn.LayerNorm(257)
+        self.conv = nn.Conv2d(3, 64, 5)
+        self.b = nn.Linear(7, 5000, bias=False)
+        self.c = nn.Linear(64, 64)
+
+
+def _plan(seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(Mixed(), Mixed()).to(torch.bfloat16).requires_grad_(False)
+    for p in model.parameters():  # rows spanning many binades, as fp8 row scales must survive
+        p.data *= torch.logspace(-6, 1, p.shape[0]).view(-1, *[1] * (p.dim() - 1)).to(p.dtype)
+    return build_plan(model, torch.device("cpu"), "block", None, False, FP8)
+
+
+def test_tensors_stored_as_computed_lead_both_layouts_at_the_same_offsets():
+    unit = _plan().units[0]
+    plain = [r for r in unit.tensors if not r.needs_cast]
+    assert plain and unit.tensors[:len(plain)] == plain  # biases and the norm first
+    assert all(r.host_offset == r.dev_offset for r in plain)
+    last = plain[-1]
+    assert last.dev_offset + last.numel * last.compute_dtype.itemsize <= unit.plain_bytes
+    assert all(r.host_offset >= unit.plain_bytes and r.dev_offset >= unit.plain_bytes for r in unit.tensors[len(plain):])
+
+
+def _stored_bytes(plan) -> torch.Tensor:
+    """The first unit's host region as the arena holds it (what a copy lands in a staging buffer)."""
+    arena = HostArena(plan.arena_bytes)
+    plan.fill_arena(arena)
+    unit = plan.units[0]
+    return arena.buffer.narrow(0, unit.host_offset, unit.host_bytes).clone()
+
+
+def _widened(unit, src, device, one_by_one: bool) -> torch.Tensor:
+    dst = torch.zeros(unit.dev_bytes, dtype=torch.uint8, device=device)
+    views = [typed_view(dst, r.dev_offset, r.compute_dtype, r.shape) for r in unit.tensors]
+    if one_by_one:
+        for rec, view in zip(unit.tensors, views):
+            widen_one(rec, src, view)
+    else:
+        UnitWidening(unit, device).run(src, dst, views)
+    return dst, views
+
+
+def test_widening_a_unit_on_the_cpu_gives_each_tensor_its_own_widening():
+    plan = _plan()
+    unit, src = plan.units[0], _stored_bytes(plan)
+    _, fast = _widened(unit, src, torch.device("cpu"), one_by_one=False)
+    _, slow = _widened(unit, src, torch.device("cpu"), one_by_one=True)
+    for rec, a, b in zip(unit.tensors, fast, slow):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), rec.shape
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("segments", [64, 2])  # one launch, and several (chunks of two tensors)
+def test_batched_widening_on_cuda_equals_the_eager_one_bit_for_bit(monkeypatch, segments):
+    from diffsynth_core.offload import widen_cuda
+
+    monkeypatch.setattr(widening, "SEGMENTS", segments)
+    cuda = torch.device("cuda")
+    plan = _plan()
+    unit, src = plan.units[0], _stored_bytes(plan).to(cuda)
+    batched = UnitWidening(unit, cuda)
+    assert batched.groups and sum(len(ids) for *_, ids, _ in batched.groups) == sum(r.quantized for r in unit.tensors)
+    launched = []
+    real = widen_cuda.widen_segments
+    monkeypatch.setattr(widen_cuda, "widen_segments", lambda *a: launched.append(real(*a)) or launched[-1])
+    _, fast = _widened(unit, src, cuda, one_by_one=False)
+    assert launched and all(launched)  # the kernel ran (an H200 compiles it)
+    monkeypatch.setattr(widen_cuda, "widen_rows", lambda *a: False)  # PyTorch's eager widening
+    _, eager = _widened(unit, src, cuda, one_by_one=True)
+    for rec, a, b in zip(unit.tensors, fast, eager):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), rec.shape
