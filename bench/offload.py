@@ -135,17 +135,29 @@ def qwen_worker(a) -> dict:
     stamps: list[float] = []
     profiler = StepProfiler(a.profile_step)
 
+    lag = GpuLag(model.transformer_blocks) if cuda else None
+
     def clock(step, _model):
         if cuda:
             torch.cuda.synchronize()
         stamps.append(time.perf_counter())
         profiler.after_step(len(stamps))
+        if lag is not None:
+            lag.step_ended()
     out_dir = a.out_dir or tempfile.mkdtemp()
     trainer = Trainer(spec, model, samples, train, offload, out_dir, device=device, progress=False, callbacks=[clock])
     if a.old_loop:
         from bench.step_start import use_old_loop
 
         use_old_loop(trainer)
+    if a.per_tensor_widening:  # the widening as it was: a launch per tensor (widening.py)
+        from diffsynth_core.offload.widening import UnitWidening, widen_one
+
+        def per_tensor(self, src, dst, views):
+            for rec, view in zip(self.unit.tensors, views):
+                widen_one(rec, src, view)
+        UnitWidening.run = per_tensor
+    issued = _stamp_backward_issued(trainer)
     t0 = time.perf_counter()
     result = trainer.fit()
     steps = [b - a_ for a_, b in zip([t0] + stamps, stamps)]
@@ -153,6 +165,14 @@ def qwen_worker(a) -> dict:
            "step_s": statistics.median(steps[a.warmup:]) if len(steps) > a.warmup else None, "steps_s": steps,
            "gpu_peak_torch_gb": torch.cuda.max_memory_allocated() / GB if cuda else None,
            "resumed_from": result.resumed_from}
+    # How far ahead of the GPU the host is: the time it took to queue a step's forward and backward,
+    # and the rest of the step (mostly waiting for the GPU to finish what was queued).
+    issue = [i - start for start, i in zip([t0] + stamps, issued)]
+    rest = [end - i for i, end in zip(issued, stamps)]
+    if len(issue) > a.warmup:
+        out.update(host_issue_s=statistics.median(issue[a.warmup:]), after_issue_s=statistics.median(rest[a.warmup:]))
+    if lag is not None:
+        out["gpu_lag_ms"] = lag.summary(a.warmup)
     if result.offload is not None:
         rep = result.offload.report()
         out.update({k: rep[k] for k in ("budget_units", "compact_units", "streamed_units", "stalls", "pinned",
@@ -169,6 +189,57 @@ def qwen_worker(a) -> dict:
     out.update(gpu_peak_nvml_gb=sampler.stop(), host_peak_gb=host_peak_gb())
     out["host_peak_over_dit"] = out["host_peak_gb"] / out["dit_gb"]
     return out
+
+
+class GpuLag:
+    """How far the GPU runs behind the host, at each block's start (forward and recompute): the host
+    records an event there; after the step, the event's GPU time is placed on the host's clock by
+    an event recorded on the idle GPU just after the previous step's synchronize.  A lag near zero
+    means the GPU waits for the host (the step is host-bound); a lag of tens of ms means the host
+    runs ahead (GPU-bound: then the step waits for kernels or copies)."""
+
+    def __init__(self, blocks):
+        self.origin: tuple[float, object] | None = None
+        self.marks: list[tuple[float, object]] = []
+        self.steps: list[list[float]] = []
+        self._hooks = [b.register_forward_pre_hook(self._mark) for b in blocks]
+
+    def _mark(self, _module, _args):
+        if self.origin is not None:
+            self.marks.append((time.perf_counter(), torch.cuda.current_stream().record_event(
+                torch.cuda.Event(enable_timing=True))))
+
+    def step_ended(self) -> None:  # the GPU is idle: every event of the step has completed
+        if self.origin is not None and self.marks:
+            t0, e0 = self.origin
+            self.steps.append([(t0 + e0.elapsed_time(ev) / 1e3 - host) * 1e3 for host, ev in self.marks])
+        self.marks = []
+        self.origin = (time.perf_counter(), torch.cuda.current_stream().record_event(torch.cuda.Event(enable_timing=True)))
+
+    def summary(self, warmup: int) -> dict:
+        steps = self.steps[warmup:] or self.steps
+        every = [x for s in steps for x in s]
+        if not every:
+            return {}
+        return {"median": statistics.median(every), "p10": _quantile(every, 0.1), "p90": _quantile(every, 0.9),
+                "per_step_median": [round(statistics.median(s), 1) for s in steps]}
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _stamp_backward_issued(trainer) -> list[float]:
+    """Times at which each step's backward had been queued (the trainer then prepares the next
+    batch, ``prefetch.py``): the host's share of the step, when the GPU is ahead of it."""
+    stamps: list[float] = []
+    prepare = trainer.next_batch.prepare_ahead
+
+    def stamped(batch):
+        stamps.append(time.perf_counter())
+        return prepare(batch)
+    trainer.next_batch.prepare_ahead = stamped
+    return stamps
 
 
 class StepProfiler:
@@ -300,16 +371,24 @@ def _save_partial(rows: dict) -> None:
 
 def case_qwen20b(a) -> dict:
     layers, px = ("4", "64") if a.quick else ("60", "1024")
-    common = ["--layers", layers, "--height", px, "--steps", "12", "--warmup", "3"]
+    common = ["--layers", layers, "--height", px, "--steps", str(a.qwen_steps), "--warmup", "3"]
     if a.profile_step:  # every row profiles that step (see StepProfiler)
         common += ["--profile-step", str(a.profile_step)]
     fp8_16 = [*common, "--offload", "--budget-gib", f"{16e9 / GIB:.3f}", "--storage", "float8_e4m3fn"]
     rows = {"resident": common, "budget_24gb": [*common, "--offload", "--budget-gib", f"{24e9 / GIB:.3f}"],
             "fp8_budget_16gb": fp8_16, "fp8_budget_16gb_act": [*fp8_16, "--act-offload"],
             "fp8_budget_16gb_prefetch2": [*fp8_16, "--prefetch", "2"],
-            "fp8_budget_16gb_oldloop": [*fp8_16, "--old-loop"]}
-    wanted = a.qwen_rows.split(",") + ([] if a.skip_resident else ["resident"])
-    res = qwen_rows({k: v for k, v in rows.items() if k in wanted}, 420)
+            "fp8_budget_16gb_oldloop": [*fp8_16, "--old-loop"],
+            "fp8_budget_16gb_pertensor": [*fp8_16, "--per-tensor-widening"]}
+    wanted = ([] if a.skip_resident else ["resident"]) + a.qwen_rows.split(",")
+    unknown = sorted(set(wanted) - set(rows))
+    if unknown:
+        raise SystemExit(f"--qwen-rows: no row named {', '.join(unknown)} (rows: {', '.join(rows)})")
+    named: dict[str, list[str]] = {}  # a row asked for again runs again, named name_2, name_3 ...
+    for name in wanted:
+        runs = sum(1 for k in named if k == name or k.startswith(name + "_") and k[len(name) + 1:].isdigit())
+        named[name if runs == 0 else f"{name}_{runs + 1}"] = rows[name]
+    res = qwen_rows(named, 420)
     resident = res.get("resident", {}).get("step_s")
     for name, row in res.items():
         if resident and row.get("step_s") and name != "resident":
@@ -395,6 +474,54 @@ def case_widen(a) -> dict:
         res["triton_ms"] = ms(lambda: widen_cuda.widen_rows(q, scales, out))
         res["bitwise_equal"] = bool(torch.equal(out.view(torch.int16), eager.view(torch.int16)))
         res["speedup"] = res["eager_ms"] / res["triton_ms"]
+    res["unit"] = _widen_unit(a, dev)
+    return res
+
+
+def _widen_unit(a, dev: torch.device) -> dict:
+    """One real-width Qwen-Image block stored in fp8, widened from a device copy into a slot: tensor
+    by tensor against the batched ``widening.UnitWidening``: host time to issue one widening (what
+    the training step pays), GPU time, and whether both give the same bits."""
+    from diffsynth_core.models import qwen_image
+    from diffsynth_core.models.random_models import build_random_transformer
+    from diffsynth_core.offload.arena import HostArena, typed_view
+    from diffsynth_core.offload.plan import build_plan
+    from diffsynth_core.offload.widening import UnitWidening, widen_one
+
+    real = qwen_image.TRANSFORMER_CONFIGS["tiny" if a.quick else "Qwen-Image"]
+    model = build_random_transformer(qwen_image.TRANSFORMER_CLASS, {"w": {**real, "num_layers": 2}}, "w",
+                                     torch.bfloat16, dev).requires_grad_(False)
+    plan = build_plan(model, dev, "block", None, False, torch.float8_e4m3fn)
+    arena = HostArena(plan.arena_bytes)
+    plan.fill_arena(arena)
+    unit = plan.units[0]
+    src = arena.buffer.narrow(0, unit.host_offset, unit.host_bytes).to(dev)
+    batched = UnitWidening(unit, dev)
+    outs = {}
+
+    def per_tensor(dst, views):
+        for rec, view in zip(unit.tensors, views):
+            widen_one(rec, src, view)
+    res = {"tensors": len(unit.tensors), "fp8_tensors": sum(r.quantized for r in unit.tensors),
+           "batched_launch_groups": len(batched.groups)}
+    for name, widen in (("per_tensor", per_tensor), ("batched", lambda dst, views: batched.run(src, dst, views))):
+        dst = torch.zeros(unit.dev_bytes, dtype=torch.uint8, device=dev)
+        views = [typed_view(dst, r.dev_offset, r.compute_dtype, r.shape) for r in unit.tensors]
+        widen(dst, views)  # compiles the kernel
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        n = 50
+        t0 = time.perf_counter()
+        for _ in range(n):
+            widen(dst, views)
+        host = (time.perf_counter() - t0) / n
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        total = (time.perf_counter() - t0) / n
+        res[name] = {"host_us_per_unit": host * 1e6, "wall_us_per_unit": total * 1e6}
+        outs[name] = dst
+    res["bitwise_equal"] = bool(torch.equal(outs["per_tensor"], outs["batched"]))
+    res["host_speedup"] = res["per_tensor"]["host_us_per_unit"] / res["batched"]["host_us_per_unit"]
     return res
 
 
@@ -584,6 +711,7 @@ def main() -> None:
                        ("--profile-step", int)):
         ap.add_argument(flag, type=kind, default={"--text-len": 512, "--prefetch": 1, "--save-steps": 0,
                                                   "--profile-step": 0}.get(flag))
+    ap.add_argument("--qwen-steps", type=int, default=12, help="steps of each qwen20b row (3 of warm-up)")
     ap.add_argument("--budget-gib", type=float, default=0.0)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--storage", default="")
@@ -593,8 +721,10 @@ def main() -> None:
     ap.add_argument("--qwen-rows", default="budget_24gb,fp8_budget_16gb",
                     help="qwen20b rows beside resident; also fp8_budget_16gb_act (block inputs offloaded), "
                          "fp8_budget_16gb_prefetch2 (three slots), fp8_budget_16gb_oldloop (the training loop "
-                         "before batches were prepared ahead)")
-    for flag in ("--offload", "--deterministic", "--keep-lora", "--act-offload", "--old-loop", "--skip-resident"):
+                         "before batches were prepared ahead), fp8_budget_16gb_pertensor (fp8 widened with a "
+                         "launch per tensor, as before widening.py)")
+    for flag in ("--offload", "--deterministic", "--keep-lora", "--act-offload", "--old-loop", "--skip-resident",
+                 "--per-tensor-widening"):
         ap.add_argument(flag, action="store_true")
     a = ap.parse_args()
     if a.worker == "qwen":
