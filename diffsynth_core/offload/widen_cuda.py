@@ -89,17 +89,26 @@ def widen_rows(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> bool
     Triton, or a GPU it cannot compile for."""
     if not (q.is_cuda and q.is_contiguous() and out.is_contiguous() and q.numel() > 0):
         return False
+    rows = q.shape[0]
+
+    def launch():
+        kernel, cdiv = _kernel()
+        kernel[(rows, cdiv(q.numel() // rows, BLOCK))](q, scales, out, q.numel() // rows, BLOCK=BLOCK)
+    return _launched(q, out, launch)
+
+
+def _launched(q: torch.Tensor, out: torch.Tensor, launch) -> bool:
+    """Run ``launch`` (a kernel widening ``q`` into ``out``) unless Triton is missing or cannot
+    compile for this GPU and these dtypes; whether it ran."""
     key = (torch.cuda.get_device_capability(q.device), q.dtype, out.dtype)
     if key in _unsupported or not _triton_importable():
         return False
-    kernel, cdiv = _kernel()
-    rows = q.shape[0]
     try:
-        kernel[(rows, cdiv(q.numel() // rows, BLOCK))](q, scales, out, q.numel() // rows, BLOCK=BLOCK)
+        launch()
     except Exception as err:  # compilation failed for this GPU: widen eagerly from now on
         _unsupported.add(key)
         warnings.warn(f"offload: the one-pass fp8 widening does not compile here ({type(err).__name__}); "
-                      f"using PyTorch's two-pass widening", RuntimeWarning, stacklevel=2)
+                      f"using PyTorch's two-pass widening", RuntimeWarning, stacklevel=3)
         return False
     return True
 
@@ -125,14 +134,5 @@ def widen_segments(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, tab
     tensor, n, programs = table
     if not (q.is_cuda and programs > 0):
         return False
-    key = (torch.cuda.get_device_capability(q.device), q.dtype, out.dtype)
-    if key in _unsupported or not _triton_importable():
-        return False
-    try:
-        _segments_kernel()[(programs,)](q, scales, out, tensor, n, MAXSEG=tensor.shape[1], BLOCK=BLOCK)
-    except Exception as err:  # compilation failed for this GPU: widen eagerly from now on
-        _unsupported.add(key)
-        warnings.warn(f"offload: the one-pass fp8 widening does not compile here ({type(err).__name__}); "
-                      f"using PyTorch's two-pass widening", RuntimeWarning, stacklevel=2)
-        return False
-    return True
+    return _launched(q, out, lambda: _segments_kernel()[(programs,)](q, scales, out, tensor, n,
+                                                                      MAXSEG=tensor.shape[1], BLOCK=BLOCK))

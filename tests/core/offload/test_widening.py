@@ -94,3 +94,29 @@ def test_batched_widening_on_cuda_equals_the_eager_one_bit_for_bit(monkeypatch, 
     _, eager = _widened(unit, src, cuda, one_by_one=True)
     for rec, a, b in zip(unit.tensors, fast, eager):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16)), rec.shape
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_kernel_that_does_not_compile_falls_back_to_the_eager_widening_with_one_warning(monkeypatch):
+    from diffsynth_core.offload import widen_cuda
+
+    class Uncompilable:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("no fp8 conversion on this GPU")  # what Triton raises at compile time
+            return launch
+    monkeypatch.setattr(widen_cuda, "_segments_kernel", lambda: Uncompilable())
+    monkeypatch.setattr(widen_cuda, "_unsupported", set())
+    cuda = torch.device("cuda")
+    plan = _plan()
+    unit, src = plan.units[0], _stored_bytes(plan).to(cuda)
+    with pytest.warns(RuntimeWarning, match="does not compile here") as caught:
+        _, fallback = _widened(unit, src, cuda, one_by_one=False)
+        _, again = _widened(unit, src, cuda, one_by_one=False)  # no second warning: remembered
+    assert len(caught) == 1
+    monkeypatch.setattr(widen_cuda, "_unsupported", set())
+    monkeypatch.setattr(widen_cuda, "widen_rows", lambda *a: False)
+    _, eager = _widened(unit, src, cuda, one_by_one=True)
+    for rec, a, b, c in zip(unit.tensors, fallback, again, eager):
+        assert torch.equal(a.view(torch.int16), c.view(torch.int16)) and torch.equal(b.view(torch.int16), c.view(torch.int16)), rec.shape
