@@ -2,8 +2,9 @@
 
 Per tensor, a widening is a handful of Python calls and one kernel launch: a real-width Qwen-Image
 block holds 32 tensors, so the 120 loads of a 60-block step cost ~3,700 launches, host time the
-training step can ill afford (on the H200 the host issues a step's kernels only ~30 ms ahead of
-the GPU, ``bench/results/step_start_h200.json``).  So a unit is widened in two moves:
+training step can ill afford: on the H200 the GPU runs only ~1 ms behind the host's launches in a
+Qwen-Image step (``gpu_lag_ms`` in ``bench/results/offload_qwen_lag_h200.json``), so host time is
+step time.  So a unit is widened in two moves:
 
 * the tensors stored as computed (biases, norm scales) lead both layouts at the same offsets
   (``Unit.layout``): one copy of ``plain_bytes`` lands them all;
@@ -27,6 +28,8 @@ SEGMENTS = 64  # tensors per batched launch (the kernel's table grows with it)
 
 
 class UnitWidening:
+    """How one unit's stored bytes become its compute layout: planned once, run at every load."""
+
     def __init__(self, unit: Unit, device: torch.device):
         self.unit = unit
         self.plain = sum(not rec.needs_cast for rec in unit.tensors)  # they lead (Unit.layout)
