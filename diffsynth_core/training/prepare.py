@@ -126,6 +126,10 @@ def prepare_for_training(model: nn.Module, spec: FamilySpec, train, offload, dev
         fuse_lora_file(model, train.preset_lora_path, rename=spec.native_module_name)
     torch.manual_seed(train.seed)  # LoRA initialisation is part of the run's reproducibility
     lora_config = _choose_trainable(model, spec, train)
+    if getattr(train, "compile_blocks", False):  # before checkpointing: it wraps the compiled forward
+        from .compile import compile_blocks
+
+        compile_blocks(model, spec.block_container_names)
     _enable_checkpointing(model, spec, train)
     manager = _place(model, spec, offload, device)
     model.train()

@@ -1,0 +1,70 @@
+"""``train.compile_blocks``: real torch.compile (Inductor's C++ backend on this CPU) on a tiny
+diffusers Qwen-Image DiT trained through the real Trainer, with LoRA, checkpointing and the
+offload engine around the compiled blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from diffsynth_core.errors import InputError
+from diffsynth_core.models import get_family, qwen_image
+from diffsynth_core.models.random_models import build_random_transformer
+from diffsynth_core.training.compile import compile_blocks
+from diffsynth_core.training.loop import Trainer
+from stages.config import OffloadSection, RunConfig, TrainSection
+
+pytestmark = pytest.mark.slow  # one cold compile: ~40 s on 2 cores
+CPU = torch.device("cpu")
+
+
+def _fit(out, compile_: bool, offload: bool):
+    spec = get_family("qwen_image")
+    cfg = {**qwen_image.TRANSFORMER_CONFIGS["tiny"], "num_layers": 2}
+    model = build_random_transformer(qwen_image.TRANSFORMER_CLASS, {"w": cfg}, "w", torch.float32, CPU)
+    samples = []
+    for seed in range(2):
+        latents, cond = spec.dummy_inputs(model.config, batch=1, height=64, width=64, text_len=16, seed=seed)
+        samples.append({"latents": latents[0], **{k: v[0] for k, v in cond.items()}})
+    train = TrainSection(lora_rank=4, max_steps=3, seed=0, gradient_checkpointing=True, device="cpu",
+                         compile_blocks=compile_)
+    result = Trainer(spec, model, samples, train, OffloadSection(enable_model_cpu_offload=offload), out,
+                     device=CPU, progress=False).fit()
+    lora = {k: v.detach().clone() for k, v in result.model.named_parameters() if "lora_" in k}
+    return result.losses, lora, result.model
+
+
+def test_compiled_blocks_train_like_eager_ones_inside_offload_and_checkpointing(tmp_path):
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    eager_losses, eager_lora, _ = _fit(tmp_path / "eager", compile_=False, offload=True)
+    losses, lora, model = _fit(tmp_path / "compiled", compile_=True, offload=True)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # compiled, not silently eager
+    assert all(getattr(b, "_splitflow_compiled", False) for b in model.transformer_blocks)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-5, atol=1e-6)
+    for name, weight in eager_lora.items():
+        torch.testing.assert_close(lora[name], weight, rtol=1e-4, atol=1e-6, msg=name)
+    again, again_lora, _ = _fit(tmp_path / "again", compile_=True, offload=True)  # a compiled CPU run repeats exactly
+    assert again == losses and all(torch.equal(again_lora[k], lora[k]) for k in lora)
+
+
+def test_a_machine_that_cannot_compile_stops_at_the_first_step_in_one_line(tmp_path, monkeypatch):
+    import torch._inductor.config as inductor
+
+    torch._dynamo.reset()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # nothing compiled before
+    stack = nn.Sequential(nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(2)]))
+    assert compile_blocks(stack) == 2
+    with inductor.patch({"cpp.cxx": (None, str(tmp_path / "no-such-g++"))}):
+        with pytest.raises(InputError, match=r"^train\.compile_blocks: torch\.compile cannot compile the blocks "
+                                             r"on this machine \(InvalidCxxCompiler: .*no-such-g\+\+.*\); "
+                                             r"set train\.compile_blocks = false$") as caught:
+            stack[0][0](torch.randn(3, 8) * 1.37)
+    assert "\n" not in str(caught.value)
+    torch._dynamo.reset()
+
+
+def test_compiled_and_deterministic_together_are_refused_naming_both_keys():
+    with pytest.raises(ValueError, match="train.compile_blocks and train.deterministic"):
+        RunConfig.model_validate({"train": {"compile_blocks": True, "deterministic": True}})
