@@ -129,7 +129,8 @@ def qwen_worker(a) -> dict:
                                           seed=seed)
         samples.append({"latents": latents[0], **{k: v[0] for k, v in cond.items()}})
     train = TrainSection(lora_rank=32, max_steps=a.steps, save_steps=a.save_steps, seed=0, gradient_checkpointing=True,
-                         device=a.device, deterministic=a.deterministic, gradient_checkpointing_offload=a.act_offload)
+                         device=a.device, deterministic=a.deterministic, gradient_checkpointing_offload=a.act_offload,
+                         compile_blocks=a.compile)
     offload = OffloadSection(enable_model_cpu_offload=a.offload, vram_budget_gb=a.budget_gib,
                              storage_dtype=a.storage or None, prefetch=a.prefetch)
     stamps: list[float] = []
@@ -380,6 +381,8 @@ def case_qwen20b(a) -> dict:
             "fp8_budget_16gb_prefetch2": [*fp8_16, "--prefetch", "2"],
             "fp8_budget_16gb_oldloop": [*fp8_16, "--old-loop"],
             "fp8_budget_16gb_pertensor": [*fp8_16, "--per-tensor-widening"]}
+    rows.update({f"{name}_compiled": [*args, "--compile"] for name, args in list(rows.items())
+                 if name in ("resident", "budget_24gb", "fp8_budget_16gb")})
     wanted = ([] if a.skip_resident else ["resident"]) + a.qwen_rows.split(",")
     unknown = sorted(set(wanted) - set(rows))
     if unknown:
@@ -390,9 +393,12 @@ def case_qwen20b(a) -> dict:
         named[name if runs == 0 else f"{name}_{runs + 1}"] = rows[name]
     res = qwen_rows(named, 420)
     resident = res.get("resident", {}).get("step_s")
+    compiled = res.get("resident_compiled", {}).get("step_s")
     for name, row in res.items():
         if resident and row.get("step_s") and name != "resident":
             row["step_over_resident"] = row["step_s"] / resident
+        if compiled and row.get("step_s") and "_compiled" in name and name != "resident_compiled":
+            row["step_over_resident_compiled"] = row["step_s"] / compiled
     return res
 
 
@@ -722,9 +728,10 @@ def main() -> None:
                     help="qwen20b rows beside resident; also fp8_budget_16gb_act (block inputs offloaded), "
                          "fp8_budget_16gb_prefetch2 (three slots), fp8_budget_16gb_oldloop (the training loop "
                          "before batches were prepared ahead), fp8_budget_16gb_pertensor (fp8 widened with a "
-                         "launch per tensor, as before widening.py)")
+                         "launch per tensor, as before widening.py); resident_compiled, budget_24gb_compiled, "
+                         "fp8_budget_16gb_compiled (train.compile_blocks: take their ratios to resident_compiled)")
     for flag in ("--offload", "--deterministic", "--keep-lora", "--act-offload", "--old-loop", "--skip-resident",
-                 "--per-tensor-widening"):
+                 "--per-tensor-widening", "--compile"):
         ap.add_argument(flag, action="store_true")
     a = ap.parse_args()
     if a.worker == "qwen":
