@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+from collections import Counter
 import json
 import statistics
 import subprocess
@@ -152,12 +153,9 @@ def qwen_worker(a) -> dict:
 
         use_old_loop(trainer)
     if a.per_tensor_widening:  # the widening as it was: a launch per tensor (widening.py)
-        from diffsynth_core.offload.widening import UnitWidening, widen_one
+        from diffsynth_core.offload.widening import UnitWidening, widen_each
 
-        def per_tensor(self, src, dst, views):
-            for rec, view in zip(self.unit.tensors, views):
-                widen_one(rec, src, view)
-        UnitWidening.run = per_tensor
+        UnitWidening.run = lambda self, src, dst, views: widen_each(self.unit, src, views)
     issued = _stamp_backward_issued(trainer)
     t0 = time.perf_counter()
     result = trainer.fit()
@@ -388,9 +386,10 @@ def case_qwen20b(a) -> dict:
     if unknown:
         raise SystemExit(f"--qwen-rows: no row named {', '.join(unknown)} (rows: {', '.join(rows)})")
     named: dict[str, list[str]] = {}  # a row asked for again runs again, named name_2, name_3 ...
+    asked: Counter[str] = Counter()
     for name in wanted:
-        runs = sum(1 for k in named if k == name or k.startswith(name + "_") and k[len(name) + 1:].isdigit())
-        named[name if runs == 0 else f"{name}_{runs + 1}"] = rows[name]
+        asked[name] += 1
+        named[name if asked[name] == 1 else f"{name}_{asked[name]}"] = rows[name]
     res = qwen_rows(named, 420)
     resident = res.get("resident", {}).get("step_s")
     compiled = res.get("resident_compiled", {}).get("step_s")
@@ -492,7 +491,7 @@ def _widen_unit(a, dev: torch.device) -> dict:
     from diffsynth_core.models.random_models import build_random_transformer
     from diffsynth_core.offload.arena import HostArena, typed_view
     from diffsynth_core.offload.plan import build_plan
-    from diffsynth_core.offload.widening import UnitWidening, widen_one
+    from diffsynth_core.offload.widening import UnitWidening, widen_each
 
     real = qwen_image.TRANSFORMER_CONFIGS["tiny" if a.quick else "Qwen-Image"]
     model = build_random_transformer(qwen_image.TRANSFORMER_CLASS, {"w": {**real, "num_layers": 2}}, "w",
@@ -504,13 +503,10 @@ def _widen_unit(a, dev: torch.device) -> dict:
     src = arena.buffer.narrow(0, unit.host_offset, unit.host_bytes).to(dev)
     batched = UnitWidening(unit, dev)
     outs = {}
-
-    def per_tensor(dst, views):
-        for rec, view in zip(unit.tensors, views):
-            widen_one(rec, src, view)
     res = {"tensors": len(unit.tensors), "fp8_tensors": sum(r.quantized for r in unit.tensors),
            "batched_launch_groups": len(batched.groups)}
-    for name, widen in (("per_tensor", per_tensor), ("batched", lambda dst, views: batched.run(src, dst, views))):
+    for name, widen in (("per_tensor", lambda dst, views: widen_each(unit, src, views)),
+                        ("batched", lambda dst, views: batched.run(src, dst, views))):
         dst = torch.zeros(unit.dev_bytes, dtype=torch.uint8, device=dev)
         views = [typed_view(dst, r.dev_offset, r.compute_dtype, r.shape) for r in unit.tensors]
         widen(dst, views)  # compiles the kernel

@@ -17,18 +17,18 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..offload.units import find_block_containers
+from ..offload.units import find_blocks
 from .activation_offload import ActivationOffloader
 
 _MARK = "_splitflow_checkpointed"
 
 
 def _blocks(model: nn.Module, block_container_names) -> list[nn.Module]:
-    containers = find_block_containers(model, block_container_names)
-    if not containers:
+    blocks = find_blocks(model, block_container_names)
+    if not blocks:
         raise ValueError(f"{type(model).__name__} has no ModuleList of blocks to checkpoint; "
                          "pass block_container_names")
-    return [b for _, cont in containers for b in cont.children()]
+    return blocks
 
 
 def apply_gradient_checkpointing(model: nn.Module, block_container_names=None,

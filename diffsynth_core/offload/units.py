@@ -127,6 +127,11 @@ def find_block_containers(model: nn.Module, names: tuple[str, ...] | list[str] |
     return found
 
 
+def find_blocks(model: nn.Module, block_container_names) -> list[nn.Module]:
+    """Every child of the model's block containers (``find_block_containers``), in order; empty if none."""
+    return [b for _, container in find_block_containers(model, block_container_names) for b in container.children()]
+
+
 def candidate_modules(model: nn.Module, granularity: str, block_container_names,
                       split_bytes: int | None = None) -> list[tuple[str, nn.Module]]:
     """Modules that become units, in registration order (a first guess at execution order);

@@ -70,6 +70,13 @@ def _flat(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return buf.narrow(0, 0, buf.numel() // dtype.itemsize * dtype.itemsize).view(dtype)
 
 
+def widen_each(unit: Unit, src: torch.Tensor, views: list[torch.Tensor]) -> None:
+    """The whole unit tensor by tensor: the reference the batched moves must equal (and what the
+    engine did before them; ``bench.offload``'s ``_pertensor`` rows)."""
+    for rec, view in zip(unit.tensors, views):
+        widen_one(rec, src, view)
+
+
 def widen_one(rec: TensorRecord, src: torch.Tensor, view: torch.Tensor) -> None:
     """Widen one tensor's stored bytes in ``src`` into ``view``."""
     stored = typed_view(src, rec.host_offset, rec.store_dtype, rec.shape)

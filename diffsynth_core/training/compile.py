@@ -27,18 +27,17 @@ import torch
 from torch import nn
 
 from ..errors import InputError
-from ..offload.units import find_block_containers
+from ..offload.units import find_blocks
 
 _MARK = "_splitflow_compiled"
 
 
 def compile_blocks(model: nn.Module, block_container_names=None) -> int:
     """Compile the forward of every child of the model's block containers; returns how many."""
-    containers = find_block_containers(model, block_container_names)
-    if not containers:
+    blocks = find_blocks(model, block_container_names)
+    if not blocks:
         raise InputError(f"train.compile_blocks: {type(model).__name__} has no list of blocks to compile; "
                          "set train.compile_blocks = false")
-    blocks = [b for _, container in containers for b in container.children()]
     for block in blocks:
         if _MARK not in block.__dict__:
             block.forward = _compiled(block.forward)

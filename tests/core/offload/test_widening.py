@@ -9,7 +9,7 @@ from torch import nn
 from diffsynth_core.offload import widening
 from diffsynth_core.offload.arena import HostArena, typed_view
 from diffsynth_core.offload.plan import build_plan
-from diffsynth_core.offload.widening import UnitWidening, widen_one
+from diffsynth_core.offload.widening import UnitWidening, widen_each
 
 FP8 = torch.float8_e4m3fn
 
@@ -57,8 +57,7 @@ def _widened(unit, src, device, one_by_one: bool) -> torch.Tensor:
     dst = torch.zeros(unit.dev_bytes, dtype=torch.uint8, device=device)
     views = [typed_view(dst, r.dev_offset, r.compute_dtype, r.shape) for r in unit.tensors]
     if one_by_one:
-        for rec, view in zip(unit.tensors, views):
-            widen_one(rec, src, view)
+        widen_each(unit, src, views)
     else:
         UnitWidening(unit, device).run(src, dst, views)
     return dst, views
