@@ -374,13 +374,15 @@ def case_qwen20b(a) -> dict:
     if a.profile_step:  # every row profiles that step (see StepProfiler)
         common += ["--profile-step", str(a.profile_step)]
     fp8_16 = [*common, "--offload", "--budget-gib", f"{16e9 / GIB:.3f}", "--storage", "float8_e4m3fn"]
-    rows = {"resident": common, "budget_24gb": [*common, "--offload", "--budget-gib", f"{24e9 / GIB:.3f}"],
+    bf16_24 = [*common, "--offload", "--budget-gib", f"{24e9 / GIB:.3f}"]
+    rows = {"resident": common, "budget_24gb": bf16_24, "budget_24gb_act": [*bf16_24, "--act-offload"],
+            "fp8_budget_24gb": [*bf16_24, "--storage", "float8_e4m3fn"],
             "fp8_budget_16gb": fp8_16, "fp8_budget_16gb_act": [*fp8_16, "--act-offload"],
             "fp8_budget_16gb_prefetch2": [*fp8_16, "--prefetch", "2"],
             "fp8_budget_16gb_oldloop": [*fp8_16, "--old-loop"],
             "fp8_budget_16gb_pertensor": [*fp8_16, "--per-tensor-widening"]}
     rows.update({f"{name}_compiled": [*args, "--compile"] for name, args in list(rows.items())
-                 if name in ("resident", "budget_24gb", "fp8_budget_16gb")})
+                 if name in ("resident", "budget_24gb", "budget_24gb_act", "fp8_budget_24gb", "fp8_budget_16gb")})
     wanted = ([] if a.skip_resident else ["resident"]) + a.qwen_rows.split(",")
     unknown = sorted(set(wanted) - set(rows))
     if unknown:
@@ -724,8 +726,9 @@ def main() -> None:
                     help="qwen20b rows beside resident; also fp8_budget_16gb_act (block inputs offloaded), "
                          "fp8_budget_16gb_prefetch2 (three slots), fp8_budget_16gb_oldloop (the training loop "
                          "before batches were prepared ahead), fp8_budget_16gb_pertensor (fp8 widened with a "
-                         "launch per tensor, as before widening.py); resident_compiled, budget_24gb_compiled, "
-                         "fp8_budget_16gb_compiled (train.compile_blocks: take their ratios to resident_compiled)")
+                         "launch per tensor, as before widening.py), budget_24gb_act (block inputs offloaded), "
+                         "fp8_budget_24gb (fp8 storage within 24 GB); NAME_compiled for resident and the "
+                         "budget_24gb / fp8_budget_* rows (train.compile_blocks: ratios to resident_compiled)")
     for flag in ("--offload", "--deterministic", "--keep-lora", "--act-offload", "--old-loop", "--skip-resident",
                  "--per-tensor-widening", "--compile"):
         ap.add_argument(flag, action="store_true")
