@@ -59,6 +59,29 @@ def _checkpointed(forward, offloader: ActivationOffloader | None):
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
+        call, args, kwargs = _tensors_positional(forward, args, kwargs)
         with offloader.hooks() if offloader is not None else contextlib.nullcontext():
-            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+            return checkpoint(call, *args, use_reentrant=False, **kwargs)
     return run
+
+
+def _tensors_positional(forward, args: tuple, kwargs: dict):
+    """``(call, args, kwargs)`` with the tensors of ``kwargs`` moved into ``args``.
+
+    Why: non-reentrant checkpoint saves its positional inputs through the saved-tensor hooks but
+    keeps keyword arguments by reference in its recompute closure (torch/utils/checkpoint.py,
+    ``_checkpoint_without_reentrant_generator``: ``new_frame.save_inputs(*args)``, ``recompute_fn``
+    calls ``fn(*args, **kwargs)``), and it reads the devices whose RNG state it restores from the
+    positional ones only.  diffusers calls Qwen-Image's and FLUX's blocks with keywords
+    (``block(hidden_states=..., encoder_hidden_states=..., ...)``), so without this their block
+    inputs would stay on the GPU whatever the activation offloader does with them.
+    """
+    names = [name for name, value in kwargs.items() if isinstance(value, torch.Tensor)]
+    if not names:
+        return forward, args, kwargs
+    rest = {name: value for name, value in kwargs.items() if name not in names}
+    n = len(args)
+
+    def call(*inputs, **more):
+        return forward(*inputs[:n], **dict(zip(names, inputs[n:])), **more)
+    return call, (*args, *(kwargs[name] for name in names)), rest

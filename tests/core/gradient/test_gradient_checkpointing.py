@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 
 from diffsynth_core.gradient import apply_gradient_checkpointing, remove_gradient_checkpointing
+from diffsynth_core.gradient.checkpoint import _checkpointed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "offload"))
 from offload_tiny import ToyStack, add_lora, out_tensor, tiny_dit  # noqa: E402
@@ -78,3 +80,50 @@ def test_tiny_dit_checkpointing_matches_plain():
     apply_gradient_checkpointing(model, names)
     out_tensor(model(**kwargs)).pow(2).mean().backward()
     assert all(torch.equal(a, p.grad) for a, p in zip(ref, (p for p in model.parameters() if p.requires_grad)))
+
+
+class CopiesSaves:
+    """Saved-tensor hooks that keep a copy of each saved tensor, as the activation offloader keeps a
+    host copy (the offloader itself only acts on CUDA tensors); records what it was handed."""
+
+    def __init__(self):
+        self.packed: list[weakref.ref] = []
+
+    def hooks(self):
+        def pack(t):
+            self.packed.append(weakref.ref(t))
+            return t.clone()
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
+class KeywordBlock(torch.nn.Module):
+    """Called the way diffusers calls Qwen-Image's and FLUX's blocks: tensors by keyword."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, *, hidden_states, shift, gain: float):
+        return self.proj(hidden_states + shift) * gain
+
+
+def test_block_inputs_passed_by_keyword_reach_the_hooks_and_are_not_held_by_the_checkpoint():
+    torch.manual_seed(0)
+    pre, block = torch.nn.Linear(8, 8), KeywordBlock()
+    x, shift = torch.randn(4, 8), torch.randn(4, 8)
+    plain = block(hidden_states=pre(x), shift=shift, gain=2.0).pow(2).sum()
+    plain.backward()
+    want = [p.grad.clone() for p in (*pre.parameters(), *block.parameters())]
+    for p in (*pre.parameters(), *block.parameters()):
+        p.grad = None
+
+    saves = CopiesSaves()
+    hidden = pre(x)  # an activation, as a block's input is the block before's output
+    out = _checkpointed(block.forward, saves)(hidden_states=hidden, shift=shift, gain=2.0)
+    assert any(ref() is hidden for ref in saves.packed)  # it went through the hooks
+    kept = weakref.ref(hidden)
+    del hidden
+    assert kept() is None, "the checkpoint still holds a keyword input: offloading it would free nothing"
+    out.pow(2).sum().backward()
+    got = [p.grad for p in (*pre.parameters(), *block.parameters())]
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
