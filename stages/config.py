@@ -218,8 +218,8 @@ class TrainSection(_Section):
     ema_decay: float = Field(0.0, ge=0, lt=1)  # 0: no EMA; else e.g. 0.999, exported as lora_ema.safetensors
     # Bitwise repeatable CUDA runs (deterministic kernels, cuBLAS workspace, seeded RNGs); slower.
     deterministic: bool = False
-    # Each block's forward compiled by torch.compile (diffsynth_core/training/compile.py); GPU speed-up
-    # not measured yet; close to, not bitwise equal to, an eager run.
+    # Each block's forward compiled by torch.compile (diffsynth_core/training/compile.py): on the H200 the
+    # real-width Qwen-Image step takes 0.67-0.74x the eager time; close to, not bitwise equal to, an eager run.
     compile_blocks: bool = False
     # A step whose loss or gradients are NaN/Inf is skipped (no update); this many in a row stop the run.
     max_nonfinite_steps: int = Field(3, ge=1)

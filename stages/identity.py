@@ -22,6 +22,10 @@ from .config import RunConfig
 
 log = logging.getLogger(__name__)
 METADATA_KEY = "base_model"
+NUMERICS_KEY = "numerics"
+# Settings that change how a step is computed but not what the run trains: a resume with one of
+# them changed goes on, but no longer ends bit for bit where an uninterrupted run would.
+NUMERICS = ("model.dtype", "offload.storage_dtype", "train.compile_blocks", "train.deterministic")
 
 
 def base_model(cfg: RunConfig, spec: FamilySpec) -> dict:
@@ -62,3 +66,23 @@ def check_resume_base(checkpoints: CheckpointManager, base: dict) -> None:
             f"checkpoint {checkpoints.latest_dir()} was trained on base model {saved.get('path')} (fingerprint "
             f"{saved.get('fingerprint')}), but this config's base model is {base['path']} (fingerprint "
             f"{base['fingerprint']}); set output.path to a new folder, or restore that base model")
+
+
+def numerics(cfg: RunConfig) -> dict:
+    """{dotted key: value} of :data:`NUMERICS`, recorded in every checkpoint."""
+    return {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in NUMERICS}
+
+
+def warn_changed_numerics(checkpoints: CheckpointManager, cfg: RunConfig) -> list[str]:
+    """Warn (one line) when the run resumes with :data:`NUMERICS` other than its checkpoint's;
+    returns the changes, ``"key old -> new"``.  Checkpoints written before they were recorded pass."""
+    metadata = checkpoints.latest_metadata()
+    saved = (metadata or {}).get(NUMERICS_KEY)
+    if not saved:
+        return []
+    now = numerics(cfg)
+    changed = [f"{key} {saved[key]!r} -> {now[key]!r}" for key in NUMERICS if key in saved and saved[key] != now[key]]
+    if changed:
+        log.warning("resuming %s with %s: the run goes on, but will not end bit for bit where an uninterrupted "
+                    "run with either setting would", checkpoints.latest_dir(), ", ".join(changed))
+    return changed

@@ -33,7 +33,7 @@ from .common import (init_distributed, is_main_process, leaving_process_group, l
                      resolve_device)
 from .config import RunConfig
 from .exports import LoraExporter, export_lora
-from .identity import METADATA_KEY, base_model, check_resume_base
+from .identity import METADATA_KEY, NUMERICS_KEY, base_model, check_resume_base, numerics, warn_changed_numerics
 from .keys import empty_prompt_key, training_keys
 from .locks import output_lock
 from .validation import ValidationRenderer
@@ -160,7 +160,9 @@ def _train(cfg: RunConfig) -> TrainSummary:
         output.mkdir(parents=True, exist_ok=True)
         cfg.save(output / "config.toml")
         base = base_model(cfg, spec)
-        check_resume_base(CheckpointManager(output / "checkpoints"), base)
+        checkpoints = CheckpointManager(output / "checkpoints")
+        check_resume_base(checkpoints, base)
+        warn_changed_numerics(checkpoints, cfg)
     transformer = load_transformer(cfg, spec)
     samples = CachedSamples(store, keys)
     callbacks = [LoraExporter(spec, output, cfg.output.export_every)]
@@ -169,7 +171,8 @@ def _train(cfg: RunConfig) -> TrainSummary:
         callbacks.append(ValidationRenderer(cfg, spec, (meta["height"], meta["width"]), meta.get("num_frames", 1)))
     trainer = Trainer(spec, transformer, samples, cfg.train, cfg.offload, output,
                       device=device, repeat=cfg.dataset.repeat, callbacks=callbacks,
-                      checkpoint_metadata={METADATA_KEY: base} if base else None, empty_prompt=empty_prompt)
+                      checkpoint_metadata={METADATA_KEY: base, NUMERICS_KEY: numerics(cfg)} if base else None,
+                      empty_prompt=empty_prompt)
     result = trainer.fit()
     if result.offload is not None and trainer.rank == 0:  # planned vs measured bytes per step, GPU peak
         (output / "offload.json").write_text(json.dumps(result.offload.report(), indent=1))

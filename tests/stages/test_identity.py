@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 
 import pytest
@@ -11,7 +12,7 @@ from diffsynth_core.errors import InputError
 from diffsynth_core.models import get_family
 from stages import preprocess, train
 from stages.common import encoder_identity
-from stages.identity import METADATA_KEY, base_model
+from stages.identity import METADATA_KEY, NUMERICS_KEY, base_model, numerics
 from tests.stages.metadata import keep_rows
 
 
@@ -76,3 +77,24 @@ def test_resume_refuses_a_checkpoint_trained_on_another_base_model(make_config, 
     longer = make_config(f"model.path={own_model}", "train.max_steps=2")
     with pytest.raises(InputError, match=f"{trained_on['fingerprint']}.*{other_base}"):
         train.run(longer)
+
+
+def test_a_resume_with_other_numerics_goes_on_and_says_it_will_not_end_bit_for_bit(make_config, caplog):
+    streamed = "offload.enable_model_cpu_offload=true"
+    cfg = make_config("train.max_steps=1", streamed)
+    keep_rows(cfg, 2)
+    preprocess.run(cfg)
+    train.run(cfg)
+    saved = train.CheckpointManager(cfg.output_dir / "checkpoints").latest_metadata()
+    assert saved[NUMERICS_KEY] == numerics(cfg) and saved[NUMERICS_KEY]["offload.storage_dtype"] is None
+
+    with caplog.at_level(logging.WARNING, logger="stages.identity"):
+        assert train.run(make_config("train.max_steps=2", streamed)).resumed_from == 1  # same settings: quiet
+    assert not [r for r in caplog.records if "bit for bit" in r.getMessage()]
+
+    with caplog.at_level(logging.WARNING, logger="stages.identity"):
+        summary = train.run(make_config("train.max_steps=3", streamed, "offload.storage_dtype=bfloat16"))
+    assert summary.resumed_from == 2 and summary.steps == 3
+    warned = [r.getMessage() for r in caplog.records if "bit for bit" in r.getMessage()]
+    assert len(warned) == 1 and "offload.storage_dtype None -> 'bfloat16'" in warned[0], warned
+    assert "checkpoints/step-00000002" in warned[0]
