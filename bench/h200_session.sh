@@ -3,6 +3,11 @@
 #   bench/h200_session.sh benches MUSUBI_FILE   # side by side with musubi, Qwen-Image 20B, optimizer, fp8, determinism
 #   bench/h200_session.sh optim                 # the optimizer-offload toy and its GPU tests
 #   bench/h200_session.sh e2e                   # splitflow run, full-depth Qwen-Image folder
+#   bench/h200_session.sh compiled              # compiled blocks with and without the block inputs offloaded
+# Install the carried wheels with --no-deps (pip --target resolves dependencies only among the
+# wheels given, and the machine's own anyio etc. are not among them):
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+#   export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 #   bench/h200_session.sh peak MUSUBI_FILE       # issue-12 peaks: GPU tests, stack rows (+ offloaded
 #                                                # block inputs), Qwen-Image 20B fp8 under 16 GB
 #                                                # (PROFILE_STEP=6: where each row's step 7 waits;
@@ -44,6 +49,13 @@ optim)  # issue 12's optimizer-offload toy and the optimizer-offload GPU tests
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/core/offload/test_offload_gpu.py \
     -k "bound_optimizer or fp32_toy or budget" > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
   timeout "$(left)" python3 -m bench.offload --cases optim --out "$OUT/offload_optim_h200.json"
+  ;;
+compiled)  # block inputs offloaded by keyword (Qwen-Image) beside compiled blocks; the GPU tests of both
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/gradient/test_activation_offload_gpu.py \
+    tests/core/training/test_compile.py > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
+  timeout "$(left)" python3 -m bench.offload --cases qwen20b --skip-resident --qwen-rows \
+    "${QWEN_ROWS:-resident_compiled,budget_24gb_act_compiled,budget_24gb_compiled,fp8_budget_16gb_compiled}" \
+    --out "$OUT/offload_compiled_act_h200.json" > "$OUT/offload_log.txt" 2>&1; tail -3 "$OUT/offload_log.txt"
   ;;
 e2e)
   timeout "$(left)" python3 -m bench.e2e_gpu --workdir /tmp/splitflow-e2e --out "$OUT/e2e_full_h200.json" \
