@@ -3,7 +3,8 @@
 A LoRA (or a fine-tuned DiT) only means something on the weights it was trained on.  The base
 is identified by content: the transformer's files (or ``model.transformer_file``) and a preset
 LoRA fused into it.  Digests are remembered across runs (``cache_store.digests``), so this is
-cheap after the first run on a machine.
+cheap after the first run on a machine.  Every checkpoint also records the settings that change how
+a step is computed (:data:`NUMERICS`); a resume that changes them is allowed, with a warning.
 """
 
 from __future__ import annotations
@@ -70,7 +71,11 @@ def check_resume_base(checkpoints: CheckpointManager, base: dict) -> None:
 
 def numerics(cfg: RunConfig) -> dict:
     """{dotted key: value} of :data:`NUMERICS`, recorded in every checkpoint."""
-    return {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in NUMERICS}
+    values = {}
+    for key in NUMERICS:
+        section, name = key.split(".")
+        values[key] = getattr(getattr(cfg, section), name)
+    return values
 
 
 def warn_changed_numerics(checkpoints: CheckpointManager, cfg: RunConfig) -> list[str]:
