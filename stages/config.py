@@ -14,6 +14,7 @@ import math
 import os
 import re
 import tomllib
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -182,6 +183,9 @@ class TrainSection(_Section):
     learning_rate: float = Field(1e-4, gt=0, allow_inf_nan=False)
     weight_decay: float = Field(0.01, ge=0, allow_inf_nan=False)
     optimizer: str = "torch.optim.AdamW"
+    # More constructor arguments of the optimizer (musubi-tuner's and kohya's --optimizer_args), e.g.
+    # {betas = [0.9, 0.99], eps = 1e-6, fused = true}; lr and weight_decay are the keys above.
+    optimizer_args: dict[str, bool | int | float | str | list[float]] = {}
     max_steps: int | None = Field(None, ge=1)
     num_epochs: int = Field(1, ge=1)
     save_steps: int = Field(0, ge=0)  # 0: checkpoint only at the end
@@ -233,6 +237,16 @@ class TrainSection(_Section):
     @classmethod
     def _optimizer_is_allowed(cls, value: str) -> str:
         _optimizer_name(value)  # a name from the allow-list, never an import path to follow
+        return value
+
+    @field_validator("optimizer_args")
+    @classmethod
+    def _optimizer_args_leave_own_keys(cls, value: dict) -> dict:
+        from diffsynth_core.training.optimizers import OWN_KEYS
+
+        for key in value:
+            if key in OWN_KEYS:
+                raise ValueError(f"{key!r} is set by {OWN_KEYS[key]}, not here")
         return value
 
     @model_validator(mode="after")
@@ -358,14 +372,25 @@ def _parse_value(text: str) -> Any:
 
 
 def apply_override(data: dict[str, Any], dotted: str, value: Any) -> None:
-    """Set ``data[section][key] = value`` for ``dotted = "section.key"``; errors name the key."""
+    """Set ``data[section][key] = value`` for ``dotted = "section.key"``, or one entry of a table-valued
+    key for ``"section.key.entry"`` (``train.optimizer_args.eps=1e-6``); errors name the key."""
     section, _, key = dotted.partition(".")
+    key, _, entry = key.partition(".")
     if not key or section not in RunConfig.model_fields:
         known = ", ".join(RunConfig.model_fields)
         raise ConfigError(f"--set {dotted}: expected section.key with section one of {known}")
-    if key not in RunConfig.model_fields[section].annotation.model_fields:
+    fields = RunConfig.model_fields[section].annotation.model_fields
+    if key not in fields:
         raise ConfigError(f"--set {dotted}: unknown key {key!r} in section [{section}]")
-    data.setdefault(section, {})[key] = value
+    if not entry:
+        data.setdefault(section, {})[key] = value
+    elif typing.get_origin(fields[key].annotation) is dict:
+        table = data.setdefault(section, {}).setdefault(key, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"--set {dotted}: {section}.{key} is {table!r} here, not a table")
+        table[entry] = value
+    else:
+        raise ConfigError(f"--set {dotted}: {section}.{key} is not a table; use --set {section}.{key}=VALUE")
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:

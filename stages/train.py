@@ -28,6 +28,7 @@ from diffsynth_core.training.device import avoid_broken_kernels, configure_deter
 from diffsynth_core.training.ema import swapped_weights
 from diffsynth_core.training.guards import require_finite
 from diffsynth_core.training.loop import Trainer
+from diffsynth_core.training import optimizers
 
 from .common import (init_distributed, is_main_process, leaving_process_group, load_components, model_dtype,
                      resolve_device)
@@ -152,6 +153,8 @@ def _train(cfg: RunConfig) -> TrainSummary:
     spec = get_family(cfg.model.family)
     store, keys = training_keys(cfg)  # checked against the model, derived from the config
     empty_prompt = load_empty_prompt(cfg, store)  # before any model loads: a missing entry fails fast
+    optimizers.checked_args(optimizers.optimizer_class(cfg.train.optimizer), cfg.train.optimizer,
+                            cfg.train.optimizer_args)  # a misspelt argument too
     configure_determinism(cfg.train.deterministic, cfg.train.seed)
     device = init_distributed(avoid_broken_kernels(resolve_device(cfg.train.device, "train.device")))
     output = cfg.output_dir

@@ -66,3 +66,25 @@ def optimizer_class(name: str) -> Any:
     except AttributeError:
         raise InputError(f"train.optimizer = {name!r}: the installed {module} has no {cls}; "
                          "upgrade the package or choose another optimizer") from None
+
+
+# Set by their own train.* keys, so optimizer_args may not name them.
+OWN_KEYS = {"params": "the trained parameters", "lr": "train.learning_rate", "weight_decay": "train.weight_decay"}
+
+
+def checked_args(optimizer_class: Any, name: str, args: dict[str, Any]) -> dict[str, Any]:
+    """``train.optimizer_args`` as keyword arguments of ``optimizer_class``: each key must be one of its
+    constructor's parameters (a typo fails here, in one line, not as a TypeError mid-setup), and
+    lists become tuples (``betas = [0.9, 0.99]`` in TOML)."""
+    import inspect
+
+    parameters = inspect.signature(optimizer_class.__init__).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    accepted = [p for p in parameters if p != "self" and p not in OWN_KEYS
+                and parameters[p].kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    for key in args:
+        if key in OWN_KEYS:
+            raise InputError(f"train.optimizer_args.{key}: set by {OWN_KEYS[key]}, not here")
+        if key not in accepted and not takes_any:
+            raise InputError(f"train.optimizer_args.{key}: {name} takes no {key!r}; it takes {', '.join(accepted)}")
+    return {key: tuple(value) if isinstance(value, list) else value for key, value in args.items()}

@@ -44,16 +44,24 @@ class Prepared:
 
 
 def build_optimizer(class_path: str, params, learning_rate: float, weight_decay: float,
-                    on_host: bool = False) -> torch.optim.Optimizer:
+                    on_host: bool = False, optimizer_args: dict[str, Any] | None = None) -> torch.optim.Optimizer:
     """Instantiate the allowed optimizer ``class_path`` (default torch.optim.AdamW) over ``params``.
 
     Only torch.optim classes and the packages listed in ``optimizers.PACKAGES`` can be named.
     ``on_host``: the parameters step on the CPU (optimizer offload), where torch's fused
     Adam/AdamW kernel is several times faster than the default for-each one.
+    ``optimizer_args`` (``train.optimizer_args``): more constructor arguments; they win over that default.
     """
     optimizer_class = optimizers.optimizer_class(class_path)
     extra = {"fused": True} if on_host and optimizer_class in (torch.optim.Adam, torch.optim.AdamW) else {}
-    return optimizer_class(params, lr=learning_rate, weight_decay=weight_decay, **extra)
+    extra.update(optimizers.checked_args(optimizer_class, class_path, dict(optimizer_args or {})))
+    try:
+        return optimizer_class(params, lr=learning_rate, weight_decay=weight_decay, **extra)
+    except (ValueError, TypeError, RuntimeError) as err:  # the optimizer's own check of a value
+        if not optimizer_args:
+            raise
+        detail = " ".join(str(err).split())[:300]
+        raise InputError(f"train.optimizer_args: {class_path} refused {dict(optimizer_args)}: {detail}") from None
 
 
 def constant_with_warmup(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
@@ -136,7 +144,8 @@ def prepare_for_training(model: nn.Module, spec: FamilySpec, train, offload, dev
     trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
     on_host = manager is not None and offload.enable_optimizer_cpu_offload
     optimizer = build_optimizer(train.optimizer, list(trainable.values()), train.learning_rate,
-                                train.weight_decay, on_host=on_host)
+                                train.weight_decay, on_host=on_host,
+                                optimizer_args=getattr(train, "optimizer_args", None))
     if on_host and manager.plan.host_trainable and not getattr(train, "ema_decay", 0):
         # Host weights step unit by unit off the main thread, once optimizer.step() queues them: never
         # during backward (overlap_backward), since the Trainer's non-finite guard must see every

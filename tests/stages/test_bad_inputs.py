@@ -162,6 +162,9 @@ CONFIG_CASES = {
     "train.seed=-1": "train.seed: Input should be greater than or equal to 0",
     "train.device='tpu9'": "train.device: 'tpu9' is not a device",
     "offload.vram_budget_gb=nan": "offload.vram_budget_gb: Input should be a finite number",
+    "train.optimizer_args.lr=1": "train.optimizer_args: 'lr' is set by train.learning_rate, not here",
+    # checked before any model loads, not as a TypeError once the DiT is in memory
+    "train.optimizer_args.betaz=[0.9, 0.99]": "train.optimizer_args.betaz: torch.optim.AdamW takes no 'betaz'",
 }
 
 
