@@ -50,11 +50,11 @@ optim)  # issue 12's optimizer-offload toy and the optimizer-offload GPU tests
     -k "bound_optimizer or fp32_toy or budget" > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
   timeout "$(left)" python3 -m bench.offload --cases optim --out "$OUT/offload_optim_h200.json"
   ;;
-compiled)  # block inputs offloaded by keyword (Qwen-Image) beside compiled blocks; the GPU tests of both
+compiled)  # block inputs offloaded by keyword (Qwen-Image) beside compiled blocks, fused AdamW; the GPU tests
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/gradient/test_activation_offload_gpu.py \
     tests/core/training/test_compile.py > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
   timeout "$(left)" python3 -m bench.offload --cases qwen20b --skip-resident --qwen-rows \
-    "${QWEN_ROWS:-resident_compiled,budget_24gb_act_compiled,budget_24gb_compiled,fp8_budget_16gb_compiled}" \
+    "${QWEN_ROWS:-resident_compiled,budget_24gb_act_compiled,budget_24gb_compiled,fp8_budget_16gb_compiled,resident_compiled_fused,budget_24gb_act_compiled_fused}" \
     --out "$OUT/offload_compiled_act_h200.json" > "$OUT/offload_log.txt" 2>&1; tail -3 "$OUT/offload_log.txt"
   ;;
 e2e)
