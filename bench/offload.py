@@ -203,17 +203,21 @@ class GpuLag:
         self.steps: list[list[float]] = []
         self._hooks = [b.register_forward_pre_hook(self._mark) for b in blocks]
 
+    @staticmethod
+    def _now() -> tuple[float, object]:
+        """(host time, an event recorded on the compute stream now)."""
+        return time.perf_counter(), torch.cuda.current_stream().record_event(torch.cuda.Event(enable_timing=True))
+
     def _mark(self, _module, _args):
         if self.origin is not None:
-            self.marks.append((time.perf_counter(), torch.cuda.current_stream().record_event(
-                torch.cuda.Event(enable_timing=True))))
+            self.marks.append(self._now())
 
     def step_ended(self) -> None:  # the GPU is idle: every event of the step has completed
         if self.origin is not None and self.marks:
             t0, e0 = self.origin
             self.steps.append([(t0 + e0.elapsed_time(ev) / 1e3 - host) * 1e3 for host, ev in self.marks])
         self.marks = []
-        self.origin = (time.perf_counter(), torch.cuda.current_stream().record_event(torch.cuda.Event(enable_timing=True)))
+        self.origin = self._now()
 
     def summary(self, warmup: int) -> dict:
         steps = self.steps[warmup:] or self.steps

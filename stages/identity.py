@@ -78,16 +78,14 @@ def numerics(cfg: RunConfig) -> dict:
     return values
 
 
-def warn_changed_numerics(checkpoints: CheckpointManager, cfg: RunConfig) -> list[str]:
-    """Warn (one line) when the run resumes with :data:`NUMERICS` other than its checkpoint's;
-    returns the changes, ``"key old -> new"``.  Checkpoints written before they were recorded pass."""
-    metadata = checkpoints.latest_metadata()
-    saved = (metadata or {}).get(NUMERICS_KEY)
+def warn_changed_numerics(checkpoints: CheckpointManager, cfg: RunConfig) -> None:
+    """Warn (one line, ``"key old -> new"`` each) when the run resumes with :data:`NUMERICS` other
+    than its checkpoint's.  Checkpoints written before they were recorded pass."""
+    saved = (checkpoints.latest_metadata() or {}).get(NUMERICS_KEY)
     if not saved:
-        return []
+        return
     now = numerics(cfg)
     changed = [f"{key} {saved[key]!r} -> {now[key]!r}" for key in NUMERICS if key in saved and saved[key] != now[key]]
     if changed:
         log.warning("resuming %s with %s: the run goes on, but will not end bit for bit where an uninterrupted "
                     "run with either setting would", checkpoints.latest_dir(), ", ".join(changed))
-    return changed

@@ -27,8 +27,8 @@ from diffsynth_core.training.checkpoint import CheckpointManager
 from diffsynth_core.training.device import avoid_broken_kernels, configure_determinism
 from diffsynth_core.training.ema import swapped_weights
 from diffsynth_core.training.guards import require_finite
-from diffsynth_core.training.loop import Trainer
 from diffsynth_core.training import optimizers
+from diffsynth_core.training.loop import Trainer
 
 from .common import (init_distributed, is_main_process, leaving_process_group, load_components, model_dtype,
                      resolve_device)

@@ -4,13 +4,13 @@ offload engine around the compiled blocks."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from torch import nn
 
 from diffsynth_core.errors import InputError
-import importlib
-
 from diffsynth_core.models import get_family
 from diffsynth_core.models.random_models import build_random_transformer
 from diffsynth_core.training.compile import compile_blocks
