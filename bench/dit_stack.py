@@ -5,7 +5,10 @@
 Linear.  The LoRA is a forward replacement (as musubi-tuner's ``networks/lora.py`` does): the
 adapters live outside the blocks, in fp32, and the block's own ``nn.Linear`` keeps its weight, so
 any block-swapping scheme (ours, or musubi's, which streams exactly the blocks' ``*Linear``
-weights) sees the same modules and both compute bitwise the same thing.
+weights) sees the same modules and both compute bitwise the same thing.  The adapters project
+their input as splitflow's LoRA does (``lora_input="narrow"``: the bf16 input is saved and cast to
+fp32 inside, ``diffsynth_core/training/adapter_inputs.py``) or as a plain ``x.float()`` would
+(``"fp32"``: autograd saves the fp32 copy); the results are bitwise equal, the saved bytes not.
 """
 
 from __future__ import annotations
@@ -16,6 +19,10 @@ import time
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from diffsynth_core.training.adapter_inputs import project_down
+
+LORA_INPUTS = ("narrow", "fp32")
 
 
 class Block(nn.Module):
@@ -38,8 +45,9 @@ class Block(nn.Module):
 class LoRA(nn.Module):
     """``org(x) + up(down(x))`` with fp32 adapters, installed by replacing ``org.forward``."""
 
-    def __init__(self, org: nn.Linear, rank: int, generator: torch.Generator):
+    def __init__(self, org: nn.Linear, rank: int, generator: torch.Generator, narrow: bool = True):
         super().__init__()
+        self.narrow = narrow
         dev = org.weight.device
         self.down = nn.Parameter(torch.randn(rank, org.in_features, generator=generator, device=dev) / rank)
         self.up = nn.Parameter(torch.randn(org.out_features, rank, generator=generator, device=dev) * 1e-3)
@@ -47,7 +55,8 @@ class LoRA(nn.Module):
         org.forward = self.forward
 
     def forward(self, x):
-        return self.org_forward(x) + F.linear(F.linear(x.float(), self.down), self.up).to(x.dtype)
+        h = project_down(x, self.down) if self.narrow else F.linear(x.float(), self.down)
+        return self.org_forward(x) + F.linear(h, self.up).to(x.dtype)
 
 
 class Stack(nn.Module):
@@ -56,11 +65,11 @@ class Stack(nn.Module):
         self.blocks = nn.ModuleList(Block(w, heads) for _ in range(n))
         self.loras = nn.ModuleList()
 
-    def add_lora(self, rank: int, seed: int = 0) -> None:
+    def add_lora(self, rank: int, seed: int = 0, narrow: bool = True) -> None:
         g = torch.Generator(self.blocks[0].qkv.weight.device).manual_seed(seed)
         for blk in self.blocks:
             for lin in (blk.qkv, blk.out, blk.up, blk.down):
-                self.loras.append(LoRA(lin, rank, g))
+                self.loras.append(LoRA(lin, rank, g, narrow))
 
     def forward(self, x, between=None):
         """``between(i, phase)`` is called before ("pre") and after ("post") block i (musubi's hooks)."""
@@ -76,14 +85,15 @@ class Stack(nn.Module):
 SIZES = {"full": (24, 3072, 4096), "quick": (6, 1024, 1024)}
 
 
-def build(size: str, device: torch.device, seed: int = 0) -> tuple[Stack, torch.Tensor]:
-    """The stack in bf16 on ``device`` (random weights), LoRA r32, and its input."""
+def build(size: str, device: torch.device, seed: int = 0,
+          lora_input: str = "narrow") -> tuple[Stack, torch.Tensor]:
+    """The stack in bf16 on ``device`` (random weights), LoRA r32 (``LORA_INPUTS``), and its input."""
     n, w, tokens = SIZES[size]
     torch.manual_seed(seed)
     with torch.device(device):
         model = Stack(n, w, w // 128).to(torch.bfloat16)
     model.requires_grad_(False)
-    model.add_lora(32, seed)
+    model.add_lora(32, seed, narrow=lora_input == "narrow")
     x = torch.randn(1, tokens, w, generator=torch.Generator().manual_seed(seed + 1)).to(device, torch.bfloat16)
     return model, x
 

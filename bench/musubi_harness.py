@@ -21,7 +21,7 @@ import json
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from bench.dit_stack import build, timed_steps
+from bench.dit_stack import LORA_INPUTS, build, timed_steps
 
 
 def load_offloading(path: str):
@@ -39,11 +39,12 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--lora-input", choices=LORA_INPUTS, default="narrow")
     args = ap.parse_args()
     torch.backends.cuda.enable_cudnn_sdp(False)  # as in our rows (avoid_broken_kernels)
     musubi = load_offloading(args.musubi_file)
     device = torch.device(args.device)
-    model, x = build(args.size, device)
+    model, x = build(args.size, device, lora_input=args.lora_input)
     blocks = list(model.blocks)
     config = musubi.BlockSwapConfig(device=device, supports_backward=True, use_pinned_memory=True, h2d_only=True,
                                     ring_size=2)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bench.dit_stack import SIZES, build, pinned_bandwidth, timed_steps
+from bench.dit_stack import LORA_INPUTS, SIZES, build, pinned_bandwidth, timed_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB, GIB = 2**20, 2**30
@@ -51,7 +51,7 @@ def run_worker(args) -> dict:
     from diffsynth_core.training.device import avoid_broken_kernels
 
     device = avoid_broken_kernels(args.device)
-    model, x = build(args.size, device)
+    model, x = build(args.size, device, lora_input=args.lora_input)
     apply_gradient_checkpointing(model, ("blocks",), offload_activations=args.worker.endswith("_act"))
     mgr = None
     if args.worker != "resident":
@@ -107,7 +107,8 @@ class Rows(dict):
 
 def orchestrate(args) -> dict:
     device = torch.device(args.device)
-    common = ["--size", args.size, "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    common = ["--size", args.size, "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
+              "--lora-input", args.lora_input]
     rows = Rows(args.out)
     rows["resident"] = _spawn(["-m", "bench.side_by_side", "--worker", "resident", *common])
     # A budget row plans from the matching all-streamed row's peak: asking for it runs that row too.
@@ -152,6 +153,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--lora-input", choices=LORA_INPUTS, default="narrow",
+                    help="adapters save their bf16 input (splitflow's LoRA) or an fp32 copy (a plain x.float())")
     ap.add_argument("--musubi-file", default=None, help="musubi-tuner's custom_offloading_utils.py (not shipped)")
     ap.add_argument("--rows", default=",".join(ROWS), type=lambda v: v.split(","),
                     help="which of our rows to run (resident always runs)")

@@ -1,0 +1,79 @@
+"""LoRA's down projection saves its input as it came (bf16), not peft's fp32 copy of it.
+
+peft casts an adapted Linear's input to the adapter's dtype before ``lora_A``
+(``LoraLayer.forward`` → ``_cast_input_dtype``, peft/tuners/lora/layer.py and
+peft/tuners/tuners_utils.py), and autograd saves that fp32 copy for ``lora_A``'s weight gradient:
+twice the bytes of the bf16 input, once per adapted Linear (q, k and v each keep their own copy of
+one input), alive from a block's recompute to its backward. ``project_down`` casts inside one
+autograd Function that saves the input as it came and casts it again in backward. Its backward makes
+the same two ``mm`` calls autograd makes for ``F.linear`` (``mm_mat1_backward`` and the
+column-major branch of ``mm_mat2_backward`` in torch/csrc/autograd/FunctionsManual.cpp, weight.t()
+being column-major), so the gradients are bitwise those of peft's path (tests/core/training/
+test_adapter_inputs.py, on the CPU and the GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class _DownProjection(torch.autograd.Function):
+    """``F.linear(x.to(weight.dtype), weight)``, saving ``x`` in its own dtype."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return F.linear(x.to(weight.dtype), weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_2d.mm(weight).view(x.shape).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_weight = grad_2d.t().mm(x.reshape(-1, x.shape[-1]).to(weight.dtype))
+        return grad_x, grad_weight
+
+
+def project_down(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x`` projected by the adapter's ``weight`` in the weight's dtype; saves ``x`` as it came."""
+    if x.dtype == weight.dtype:
+        return F.linear(x, weight)
+    return _DownProjection.apply(x, weight)
+
+
+class NarrowInputLinear(nn.Linear):
+    """peft's bias-free ``lora_A`` Linear, projecting through ``project_down``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return project_down(x, self.weight)
+
+
+def keep_adapter_inputs_narrow(model: nn.Module) -> int:
+    """Route every plain peft LoRA Linear's input through ``project_down``; return how many.
+
+    Only layers whose adapters are bias-free, without dropout and without a variant (DoRA) are
+    changed: dropout would then run on the bf16 input, a different result. The layer's own cast is
+    switched off (``cast_input_dtype_enabled``, peft's switch for it) so ``lora_A`` sees the input
+    as it came.
+    """
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    changed = 0
+    for module in model.modules():
+        if not isinstance(module, LoraLinear) or getattr(module, "lora_variant", None):
+            continue
+        downs = list(module.lora_A.values())
+        plain = all(type(d) is nn.Linear and d.bias is None for d in downs) and all(
+            isinstance(drop, nn.Identity) for drop in module.lora_dropout.values())
+        if not downs or not plain:
+            continue
+        for down in downs:
+            down.__class__ = NarrowInputLinear
+        module.cast_input_dtype_enabled = False
+        changed += 1
+    return changed

@@ -1,0 +1,128 @@
+"""LoRA adapters save their bf16 input, not peft's fp32 copy: same losses and gradients to the bit
+(real diffusers DiTs of every family with real peft adapters), fewer saved bytes."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from torch import nn
+
+from diffsynth_core.gradient import apply_gradient_checkpointing
+from diffsynth_core.models import get_family
+from diffsynth_core.models.random_models import build_random_transformer
+from diffsynth_core.training.adapter_inputs import NarrowInputLinear, project_down
+from diffsynth_core.training.lora import inject_lora
+
+
+def _peft_cast_back(model: nn.Module) -> int:
+    """Undo keep_adapter_inputs_narrow: peft's own fp32 cast before lora_A."""
+    undone = 0
+    for module in model.modules():
+        for down in getattr(module, "lora_A", {}).values():
+            if type(down) is NarrowInputLinear:
+                down.__class__ = nn.Linear
+                module.cast_input_dtype_enabled = True
+                undone += 1
+    return undone
+
+
+def _step(family: str, narrow: bool, device: torch.device, checkpointing: bool = False):
+    """Loss, LoRA gradients and bytes autograd saved for one forward/backward of a bf16 tiny DiT."""
+    torch.manual_seed(0)  # peft draws lora_A from the global generator
+    spec, module = get_family(family), importlib.import_module(f"diffsynth_core.models.{family}")
+    model = build_random_transformer(module.TRANSFORMER_CLASS, {"w": module.TRANSFORMER_CONFIGS["tiny"]}, "w",
+                                     torch.bfloat16, device)
+    inject_lora(model, spec.lora_target_modules, rank=4)
+    if not narrow:
+        assert _peft_cast_back(model) > 0
+    if checkpointing:
+        apply_gradient_checkpointing(model, spec.block_container_names)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # lora_B starts at zero, which would leave lora_A without a gradient
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    latents, cond = spec.dummy_inputs(model.config, batch=1, height=64, width=64, text_len=16, seed=0)
+    latents, cond = latents.to(device), {k: v.to(device) for k, v in cond.items()}
+    # Activations only, by storage: a tensor saved twice (q, k and v's shared input) is held once.
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved, adapted_inputs = {}, []
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = (storage.nbytes(), t.dtype)
+        return t
+
+    for layer in model.modules():
+        if hasattr(layer, "lora_A"):
+            layer.register_forward_pre_hook(lambda _m, args: adapted_inputs.append(args[0].numel()))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        pred = spec.dit_forward(model, latents, torch.tensor([0.5], device=device), cond)
+    saved_bytes = {"all": sum(n for n, _ in saved.values()),
+                   "fp32": sum(n for n, dtype in saved.values() if dtype == torch.float32),
+                   "adapted_input_elements": sum(adapted_inputs)}
+    loss = pred.float().pow(2).mean()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if "lora_" in n}
+    return loss.detach(), grads, saved_bytes
+
+
+@pytest.mark.parametrize("family", ["qwen_image", "flux", "wan"])
+def test_narrow_adapter_inputs_give_peft_gradients_bitwise_and_save_fewer_bytes(family):
+    cpu = torch.device("cpu")
+    loss, grads, saved_bytes = _step(family, narrow=True, device=cpu)
+    peft_loss, peft_grads, peft_saved_bytes = _step(family, narrow=False, device=cpu)
+    assert torch.equal(loss, peft_loss)
+    assert grads.keys() == peft_grads.keys() and any(g.abs().sum() > 0 for n, g in grads.items() if "lora_A" in n)
+    for name, grad in grads.items():
+        assert torch.equal(grad, peft_grads[name]), name
+    _assert_fp32_copies_gone(saved_bytes, peft_saved_bytes)
+
+
+def _assert_fp32_copies_gone(narrow: dict, peft: dict) -> None:
+    """peft saved one fp32 copy of each adapted Linear's input; the narrow path none, and at most
+    one bf16 input per Linear in their place."""
+    elements = peft["adapted_input_elements"]
+    assert elements > 0 and narrow["fp32"] == peft["fp32"] - 4 * elements
+    assert narrow["all"] <= peft["all"] - 2 * elements
+
+
+def test_inside_checkpointed_blocks_the_gradients_stay_bitwise():
+    cpu = torch.device("cpu")
+    loss, grads, _ = _step("qwen_image", narrow=True, device=cpu, checkpointing=True)
+    peft_loss, peft_grads, _ = _step("qwen_image", narrow=False, device=cpu, checkpointing=True)
+    assert torch.equal(loss, peft_loss) and all(torch.equal(g, peft_grads[n]) for n, g in grads.items())
+
+
+def test_project_down_matches_autograd_of_the_cast_for_odd_shapes():
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(3, 5, 24), (7, 24), (2, 1, 3, 24)]:
+        x = torch.randn(shape, generator=gen).to(torch.bfloat16).requires_grad_(True)
+        w = torch.randn(6, 24, generator=gen, requires_grad=True)
+        grad_out = torch.randn(*shape[:-1], 6, generator=gen)
+        ours = torch.autograd.grad(project_down(x, w), (x, w), grad_out)
+        theirs = torch.autograd.grad(nn.functional.linear(x.float(), w), (x, w), grad_out)
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), shape
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen_image", "flux", "wan"])
+def test_narrow_adapter_inputs_give_peft_gradients_on_cuda(family):
+    """cuBLAS: the same mm calls as autograd's, so the same bits (attention's backward is made
+    deterministic so the two runs differ only in the adapters' path)."""
+    from diffsynth_core.training.device import avoid_broken_kernels
+
+    avoid_broken_kernels("cuda")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        cuda = torch.device("cuda")
+        loss, grads, saved_bytes = _step(family, narrow=True, device=cuda)
+        peft_loss, peft_grads, peft_saved_bytes = _step(family, narrow=False, device=cuda)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.equal(loss, peft_loss)
+    assert all(torch.equal(g, peft_grads[n]) for n, g in grads.items())
+    _assert_fp32_copies_gone(saved_bytes, peft_saved_bytes)
