@@ -4,6 +4,8 @@
 #   bench/h200_session.sh optim                 # the optimizer-offload toy and its GPU tests
 #   bench/h200_session.sh e2e                   # splitflow run, full-depth Qwen-Image folder
 #   bench/h200_session.sh compiled              # compiled blocks with and without the block inputs offloaded
+#   bench/h200_session.sh narrow MUSUBI_FILE    # adapters saving their bf16 input: GPU tests, stack peaks
+#                                               # (and the fp32-copy stack beside them), Qwen-Image 24 GB rows
 # Install the carried wheels with --no-deps (pip --target resolves dependencies only among the
 # wheels given, and the machine's own anyio etc. are not among them):
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
@@ -57,6 +59,17 @@ compiled)  # block inputs offloaded by keyword (Qwen-Image) beside compiled bloc
   rows=$rows,resident_compiled_fused,budget_24gb_act_compiled_fused
   timeout "$(left)" python3 -m bench.offload --cases qwen20b --skip-resident --qwen-rows "${QWEN_ROWS:-$rows}" \
     --out "$OUT/offload_compiled_act_h200.json" > "$OUT/offload_log.txt" 2>&1; tail -3 "$OUT/offload_log.txt"
+  ;;
+narrow)  # LoRA adapters saving their bf16 input (training/adapter_inputs.py), block inputs offloaded by keyword
+  timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/training/test_adapter_inputs.py \
+    tests/core/gradient/test_activation_offload_gpu.py > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
+  timeout 200 python3 -m bench.side_by_side --musubi-file "$2" --rows "${ROWS:-streamed_act,budget_12_of_24_act}" \
+    --out "$OUT/side_by_side_narrow_h200.json" > /dev/null
+  timeout 90 python3 -m bench.side_by_side --lora-input fp32 --rows streamed_act \
+    --out "$OUT/side_by_side_fp32in_h200.json" > /dev/null
+  timeout "$(left)" python3 -m bench.offload --cases qwen20b --skip-resident \
+    --qwen-rows "${QWEN_ROWS:-resident_compiled,budget_24gb_act_compiled}" \
+    --out "$OUT/offload_narrow_h200.json" > "$OUT/offload_log.txt" 2>&1; tail -3 "$OUT/offload_log.txt"
   ;;
 e2e)
   timeout "$(left)" python3 -m bench.e2e_gpu --workdir /tmp/splitflow-e2e --out "$OUT/e2e_full_h200.json" \

@@ -386,10 +386,12 @@ def case_qwen20b(a) -> dict:
             "fp8_budget_16gb_oldloop": [*fp8_16, "--old-loop"],
             "fp8_budget_16gb_pertensor": [*fp8_16, "--per-tensor-widening"]}
     rows.update({f"{name}_compiled": [*args, "--compile"] for name, args in list(rows.items())
-                 if name in ("resident", "budget_24gb", "budget_24gb_act", "fp8_budget_24gb", "fp8_budget_16gb")})
+                 if name in ("resident", "budget_24gb", "budget_24gb_act", "fp8_budget_24gb", "fp8_budget_16gb",
+                             "fp8_budget_16gb_act")})
     # torch's fused AdamW kernel instead of its for-each one (no state-sized temporaries, fewer launches)
     rows.update({f"{name}_fused": [*rows[name], "--fused-adamw"]
-                 for name in ("resident_compiled", "budget_24gb_compiled", "budget_24gb_act_compiled")})
+                 for name in ("resident_compiled", "budget_24gb_compiled", "budget_24gb_act_compiled",
+                              "fp8_budget_16gb_compiled", "fp8_budget_16gb_act_compiled")})
     wanted = ([] if a.skip_resident else ["resident"]) + a.qwen_rows.split(",")
     unknown = sorted(set(wanted) - set(rows))
     if unknown:
@@ -735,9 +737,9 @@ def main() -> None:
                          "before batches were prepared ahead), fp8_budget_16gb_pertensor (fp8 widened with a "
                          "launch per tensor, as before widening.py), budget_24gb_act (block inputs offloaded), "
                          "fp8_budget_24gb (fp8 storage within 24 GB); NAME_compiled for resident and the "
-                         "budget_24gb / fp8_budget_* rows (train.compile_blocks: ratios to resident_compiled); "
-                         "resident_compiled_fused, budget_24gb_compiled_fused, budget_24gb_act_compiled_fused "
-                         "(train.optimizer_args.fused = true)")
+                         "budget_24gb[_act] / fp8_budget_24gb / fp8_budget_16gb[_act] rows (train.compile_blocks: ratios to resident_compiled); "
+                         "NAME_fused for resident_compiled, budget_24gb_compiled, budget_24gb_act_compiled and "
+                         "the fp8_budget_16gb[_act]_compiled rows (train.optimizer_args.fused = true)")
     for flag in ("--offload", "--deterministic", "--keep-lora", "--act-offload", "--old-loop", "--skip-resident",
                  "--per-tensor-widening", "--compile", "--fused-adamw"):
         ap.add_argument(flag, action="store_true")
