@@ -131,7 +131,8 @@ def qwen_worker(a) -> dict:
         samples.append({"latents": latents[0], **{k: v[0] for k, v in cond.items()}})
     train = TrainSection(lora_rank=32, max_steps=a.steps, save_steps=a.save_steps, seed=0, gradient_checkpointing=True,
                          device=a.device, deterministic=a.deterministic, gradient_checkpointing_offload=a.act_offload,
-                         compile_blocks=a.compile, optimizer_args={"fused": True} if a.fused_adamw else {})
+                         compile_blocks=a.compile, optimizer_args={"fused": True} if a.fused_adamw else {},
+                         lora_narrow_inputs=a.narrow_lora_input)
     offload = OffloadSection(enable_model_cpu_offload=a.offload, vram_budget_gb=a.budget_gib,
                              storage_dtype=a.storage or None, prefetch=a.prefetch)
     stamps: list[float] = []
@@ -389,6 +390,8 @@ def case_qwen20b(a) -> dict:
                  if name in ("resident", "budget_24gb", "budget_24gb_act", "fp8_budget_24gb", "fp8_budget_16gb",
                              "fp8_budget_16gb_act")})
     # torch's fused AdamW kernel instead of its for-each one (no state-sized temporaries, fewer launches)
+    # train.lora_narrow_inputs: the adapters save their bf16 input, not peft's fp32 copy
+    rows.update({f"{name}_narrow": [*rows[name], "--narrow-lora-input"] for name in ("resident", "resident_compiled")})
     rows.update({f"{name}_fused": [*rows[name], "--fused-adamw"]
                  for name in ("resident_compiled", "budget_24gb_compiled", "budget_24gb_act_compiled",
                               "fp8_budget_16gb_compiled", "fp8_budget_16gb_act_compiled")})
@@ -739,9 +742,10 @@ def main() -> None:
                          "fp8_budget_24gb (fp8 storage within 24 GB); NAME_compiled for resident and the "
                          "budget_24gb[_act] / fp8_budget_24gb / fp8_budget_16gb[_act] rows (train.compile_blocks: ratios to resident_compiled); "
                          "NAME_fused for resident_compiled, budget_24gb_compiled, budget_24gb_act_compiled and "
-                         "the fp8_budget_16gb[_act]_compiled rows (train.optimizer_args.fused = true)")
+                         "the fp8_budget_16gb[_act]_compiled rows (train.optimizer_args.fused = true); resident_narrow, "
+                         "resident_compiled_narrow (train.lora_narrow_inputs = true)")
     for flag in ("--offload", "--deterministic", "--keep-lora", "--act-offload", "--old-loop", "--skip-resident",
-                 "--per-tensor-widening", "--compile", "--fused-adamw"):
+                 "--per-tensor-widening", "--compile", "--fused-adamw", "--narrow-lora-input"):
         ap.add_argument(flag, action="store_true")
     a = ap.parse_args()
     if a.worker == "qwen":

@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from ..errors import InputError
-from .adapter_inputs import keep_adapter_inputs_narrow
 
 ADAPTER_NAME = "default"
 # Component and wrapper prefixes of LoRA keys (diffusers, ComfyUI, peft).
@@ -64,7 +63,7 @@ def resolve_lora_targets(model: nn.Module, targets: list[str] | tuple[str, ...])
 def _mark_adapters_trainable(model: nn.Module) -> None:
     for name, param in model.named_parameters():
         if "lora_" in name:
-            # fp32 adapters over a bf16 base: the input is cast to the adapter dtype (adapter_inputs.py).
+            # fp32 adapters over a bf16 base: peft casts the input to the adapter dtype.
             param.data = param.data.float()
             param.requires_grad_(True)
 
@@ -82,7 +81,6 @@ def inject_lora(model: nn.Module, targets, rank: int, alpha: float | None = None
     model.requires_grad_(False)
     inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
     _mark_adapters_trainable(model)
-    keep_adapter_inputs_narrow(model)
     return {"r": rank, "lora_alpha": alpha, "target_modules": list(targets), "init_lora_weights": init}
 
 
@@ -211,7 +209,6 @@ def inject_lora_from_file(model: nn.Module, path: Path | str,
             modules[name].lora_A[ADAPTER_NAME].weight.copy_(lora.down)
             modules[name].lora_B[ADAPTER_NAME].weight.copy_(lora.up)
     _mark_adapters_trainable(model)
-    keep_adapter_inputs_narrow(model)
     result = {"r": first.rank, "lora_alpha": first.alpha, "target_modules": names, "init_lora_weights": "default"}
     if rank_pattern:
         result["rank_pattern"] = rank_pattern

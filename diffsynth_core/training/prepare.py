@@ -5,6 +5,7 @@
 1. fuse a preset LoRA into the base weights (it must see the plain base Linear layers);
 2. choose what trains: a LoRA adapter (peft; fresh, or continued from ``train.lora_checkpoint``
    with that file's rank, alpha, targets and weights) or whole components (full fine-tuning);
+   with ``train.lora_narrow_inputs`` the adapters save their input as it came (adapter_inputs.py);
 3. gradient checkpointing per block (it wraps the blocks that LoRA has already modified);
 4. device placement: the offload engine streams frozen weights from host memory, or the
    whole model moves to the device (the engine must see the final module tree and know
@@ -27,6 +28,7 @@ from torch import nn
 
 from ..models.base import FamilySpec
 from . import optimizers
+from .adapter_inputs import keep_adapter_inputs_narrow
 from .lora import fuse_lora_file, inject_lora, inject_lora_from_file
 from ..errors import InputError
 
@@ -134,6 +136,8 @@ def prepare_for_training(model: nn.Module, spec: FamilySpec, train, offload, dev
         fuse_lora_file(model, train.preset_lora_path, rename=spec.native_module_name)
     torch.manual_seed(train.seed)  # LoRA initialisation is part of the run's reproducibility
     lora_config = _choose_trainable(model, spec, train)
+    if lora_config is not None and getattr(train, "lora_narrow_inputs", False):
+        keep_adapter_inputs_narrow(model)
     if getattr(train, "compile_blocks", False):  # before checkpointing: it wraps the compiled forward
         from .compile import compile_blocks
 

@@ -1,5 +1,6 @@
-"""LoRA adapters save their bf16 input, not peft's fp32 copy: same losses and gradients to the bit
-(real diffusers DiTs of every family with real peft adapters), fewer saved bytes."""
+"""``train.lora_narrow_inputs``: LoRA adapters save their bf16 input, not peft's fp32 copy; same
+losses and gradients to the bit (real diffusers DiTs of every family with real peft adapters),
+fewer saved bytes; off unless asked for."""
 
 from __future__ import annotations
 
@@ -12,20 +13,8 @@ from torch import nn
 from diffsynth_core.gradient import apply_gradient_checkpointing
 from diffsynth_core.models import get_family
 from diffsynth_core.models.random_models import build_random_transformer
-from diffsynth_core.training.adapter_inputs import NarrowInputLinear, project_down
+from diffsynth_core.training.adapter_inputs import NarrowInputLinear, keep_adapter_inputs_narrow, project_down
 from diffsynth_core.training.lora import inject_lora
-
-
-def _peft_cast_back(model: nn.Module) -> int:
-    """Undo keep_adapter_inputs_narrow: peft's own fp32 cast before lora_A."""
-    undone = 0
-    for module in model.modules():
-        for down in getattr(module, "lora_A", {}).values():
-            if type(down) is NarrowInputLinear:
-                down.__class__ = nn.Linear
-                module.cast_input_dtype_enabled = True
-                undone += 1
-    return undone
 
 
 def _step(family: str, narrow: bool, device: torch.device, checkpointing: bool = False):
@@ -35,8 +24,8 @@ def _step(family: str, narrow: bool, device: torch.device, checkpointing: bool =
     model = build_random_transformer(module.TRANSFORMER_CLASS, {"w": module.TRANSFORMER_CONFIGS["tiny"]}, "w",
                                      torch.bfloat16, device)
     inject_lora(model, spec.lora_target_modules, rank=4)
-    if not narrow:
-        assert _peft_cast_back(model) > 0
+    if narrow:
+        assert keep_adapter_inputs_narrow(model) > 0
     if checkpointing:
         apply_gradient_checkpointing(model, spec.block_container_names)
     gen = torch.Generator().manual_seed(1)
@@ -126,3 +115,18 @@ def test_narrow_adapter_inputs_give_peft_gradients_on_cuda(family):
     assert torch.equal(loss, peft_loss)
     assert all(torch.equal(g, peft_grads[n]) for n, g in grads.items())
     _assert_fp32_copies_gone(saved_bytes, peft_saved_bytes)
+
+
+def test_the_setting_switches_the_adapters_path_and_is_off_by_default():
+    from diffsynth_core.training.prepare import prepare_for_training
+    from stages.config import OffloadSection, TrainSection
+
+    spec, module = get_family("wan"), importlib.import_module("diffsynth_core.models.wan")
+    counts = {}
+    for narrow in (False, True):
+        model = build_random_transformer(module.TRANSFORMER_CLASS, {"w": module.TRANSFORMER_CONFIGS["tiny"]}, "w",
+                                         torch.bfloat16, torch.device("cpu"))
+        train = TrainSection(lora_rank=4, lora_narrow_inputs=narrow) if narrow else TrainSection(lora_rank=4)
+        prepared = prepare_for_training(model, spec, train, OffloadSection(), torch.device("cpu"))
+        counts[narrow] = sum(type(m) is NarrowInputLinear for m in prepared.model.modules())
+    assert counts[False] == 0 and counts[True] > 0
