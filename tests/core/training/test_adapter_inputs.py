@@ -130,3 +130,17 @@ def test_the_setting_switches_the_adapters_path_and_is_off_by_default():
         prepared = prepare_for_training(model, spec, train, OffloadSection(), torch.device("cpu"))
         counts[narrow] = sum(type(m) is NarrowInputLinear for m in prepared.model.modules())
     assert counts[False] == 0 and counts[True] > 0
+
+
+def test_layers_with_dropout_keep_peft_path():
+    """Dropout would run on the bf16 input instead of peft's fp32 copy: a different result, so such
+    layers are left alone."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).to(torch.bfloat16)
+    config = LoraConfig(r=2, target_modules=["0"], lora_dropout=0.1)
+    inject_adapter_in_model(config, model)
+    inject_adapter_in_model(LoraConfig(r=2, target_modules=["1"]), model, adapter_name="plain")
+    assert keep_adapter_inputs_narrow(model) == 1
+    assert type(model[0].lora_A["default"]) is nn.Linear and model[0].cast_input_dtype_enabled
+    assert type(model[1].lora_A["plain"]) is NarrowInputLinear and not model[1].cast_input_dtype_enabled
