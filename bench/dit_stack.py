@@ -6,9 +6,10 @@ Linear.  The LoRA is a forward replacement (as musubi-tuner's ``networks/lora.py
 adapters live outside the blocks, in fp32, and the block's own ``nn.Linear`` keeps its weight, so
 any block-swapping scheme (ours, or musubi's, which streams exactly the blocks' ``*Linear``
 weights) sees the same modules and both compute bitwise the same thing.  The adapters project
-their input as splitflow's LoRA does with ``train.lora_narrow_inputs`` (``lora_input="narrow"``, the
-default here: the bf16 input is saved and cast to fp32 inside, ``diffsynth_core/training/adapter_inputs.py``) or as a plain ``x.float()`` would
-(``"fp32"``: autograd saves the fp32 copy); the results are bitwise equal, the saved bytes not.
+their input as splitflow's LoRA does with ``train.lora_narrow_inputs`` (``lora_input="narrow"``,
+the default here: the bf16 input is saved and cast to fp32 inside,
+``diffsynth_core/training/adapter_inputs.py``) or as a plain ``x.float()`` would (``"fp32"``:
+autograd saves the fp32 copy); the results are bitwise equal, the saved bytes not.
 """
 
 from __future__ import annotations

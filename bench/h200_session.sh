@@ -6,14 +6,14 @@
 #   bench/h200_session.sh compiled              # compiled blocks with and without the block inputs offloaded
 #   bench/h200_session.sh narrow MUSUBI_FILE    # adapters saving their bf16 input: GPU tests, stack peaks
 #                                               # (and the fp32-copy stack beside them), Qwen-Image 24 GB rows
-# Install the carried wheels with --no-deps (pip --target resolves dependencies only among the
-# wheels given, and the machine's own anyio etc. are not among them):
-#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-#   export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 #   bench/h200_session.sh peak MUSUBI_FILE       # issue-12 peaks: GPU tests, stack rows (+ offloaded
 #                                                # block inputs), Qwen-Image 20B fp8 under 16 GB
 #                                                # (PROFILE_STEP=6: where each row's step 7 waits;
 #                                                #  ROWS=none skips the stack rows)
+# Install the carried wheels with --no-deps (pip --target resolves dependencies only among the
+# wheels given, and the machine's own anyio etc. are not among them):
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+#   export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 # MUSUBI_FILE is musubi-tuner's src/musubi_tuner/modules/custom_offloading_utils.py (not shipped here).
 # JSON lands in $OUT (default ./h200-out) under the names bench/summarise_h200.py and bench/results/README.md
 # use; each step has its own time limit inside one overall deadline.

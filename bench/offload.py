@@ -390,11 +390,11 @@ def case_qwen20b(a) -> dict:
                  if name in ("resident", "budget_24gb", "budget_24gb_act", "fp8_budget_24gb", "fp8_budget_16gb",
                              "fp8_budget_16gb_act")})
     # torch's fused AdamW kernel instead of its for-each one (no state-sized temporaries, fewer launches)
-    # train.lora_narrow_inputs: the adapters save their bf16 input, not peft's fp32 copy
-    rows.update({f"{name}_narrow": [*rows[name], "--narrow-lora-input"] for name in ("resident", "resident_compiled")})
     rows.update({f"{name}_fused": [*rows[name], "--fused-adamw"]
                  for name in ("resident_compiled", "budget_24gb_compiled", "budget_24gb_act_compiled",
                               "fp8_budget_16gb_compiled", "fp8_budget_16gb_act_compiled")})
+    # train.lora_narrow_inputs: the adapters save their bf16 input, not peft's fp32 copy
+    rows.update({f"{name}_narrow": [*rows[name], "--narrow-lora-input"] for name in ("resident", "resident_compiled")})
     wanted = ([] if a.skip_resident else ["resident"]) + a.qwen_rows.split(",")
     unknown = sorted(set(wanted) - set(rows))
     if unknown:
@@ -740,10 +740,11 @@ def main() -> None:
                          "before batches were prepared ahead), fp8_budget_16gb_pertensor (fp8 widened with a "
                          "launch per tensor, as before widening.py), budget_24gb_act (block inputs offloaded), "
                          "fp8_budget_24gb (fp8 storage within 24 GB); NAME_compiled for resident and the "
-                         "budget_24gb[_act] / fp8_budget_24gb / fp8_budget_16gb[_act] rows (train.compile_blocks: ratios to resident_compiled); "
-                         "NAME_fused for resident_compiled, budget_24gb_compiled, budget_24gb_act_compiled and "
-                         "the fp8_budget_16gb[_act]_compiled rows (train.optimizer_args.fused = true); resident_narrow, "
-                         "resident_compiled_narrow (train.lora_narrow_inputs = true)")
+                         "budget_24gb[_act] / fp8_budget_24gb / fp8_budget_16gb[_act] rows "
+                         "(train.compile_blocks: ratios to resident_compiled); NAME_fused for resident_compiled, "
+                         "budget_24gb_compiled, budget_24gb_act_compiled and the fp8_budget_16gb[_act]_compiled "
+                         "rows (train.optimizer_args.fused = true); resident_narrow, resident_compiled_narrow "
+                         "(train.lora_narrow_inputs = true)")
     for flag in ("--offload", "--deterministic", "--keep-lora", "--act-offload", "--old-loop", "--skip-resident",
                  "--per-tensor-widening", "--compile", "--fused-adamw", "--narrow-lora-input"):
         ap.add_argument(flag, action="store_true")
