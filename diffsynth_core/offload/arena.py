@@ -27,7 +27,7 @@ def _warn_pageable(reason: str) -> None:
     global _warned_pageable
     if not _warned_pageable:
         _warned_pageable = True
-        warnings.warn(f"offload: host weights stay in pageable memory ({reason}); host-to-device copies "
+        warnings.warn(f"offload: host memory stays pageable ({reason}); copies between host and device "
                       "will be several times slower", RuntimeWarning, stacklevel=3)
 
 

@@ -102,3 +102,42 @@ def test_offloaded_inputs_with_streamed_weights_match_resident():
     mgr.detach()
     for a, b in zip(ref_losses + ref_grads, losses + grads):  # kernels may differ with weight addresses
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)
+
+
+def test_steady_steps_reuse_their_host_buffers():
+    """Host buffers are made in the first step only; later steps reuse them, results unchanged."""
+    from torch.utils.checkpoint import checkpoint
+
+    from diffsynth_core.gradient.activation_offload import ActivationOffloader
+
+    x = torch.randn(TOKENS, W, device=CUDA, dtype=torch.bfloat16)
+    shift = torch.randn(TOKENS, W, device=CUDA, dtype=torch.bfloat16)
+    model = _model().to(CUDA)
+    offloader = ActivationOffloader()
+
+    def loss_of(use_offloader: bool):
+        h = x * model.gain
+        for block in model.blocks:
+            if use_offloader:
+                with offloader.hooks():
+                    h = checkpoint(block, h, shift, use_reentrant=False)
+            else:
+                h = checkpoint(block, h, shift, use_reentrant=False)
+        return h.float().pow(2).mean()
+
+    made = []
+    for use in (False, True, True, True):
+        model.gain.grad = None
+        loss = loss_of(use)
+        loss.backward()
+        torch.cuda.synchronize()
+        if not use:
+            ref = (loss.detach(), model.gain.grad.clone())
+        else:
+            assert torch.equal(loss.detach(), ref[0]) and torch.equal(model.gain.grad, ref[1])
+            made.append(offloader.host.allocations)
+    one_input = TOKENS * W * 2
+    # each block's input, and ``shift`` once (every block takes it)
+    assert made == [N + 1] * 3, made
+    assert offloader.host.most_live_bytes == (N + 1) * one_input
+    assert all(b.pinned for b in offloader.host.all)
