@@ -23,9 +23,9 @@ holds unchanged when backward needs it (the model's input) is handed back as is,
 Host buffers are page-locked once, at their exact size (``HostBuffers``), and reused step after
 step: a buffer comes back when autograd drops its saved tensor, and the next copy into it waits (on
 the GPU) for the copies that last read and wrote it.  Not PyTorch's pinned caching allocator
-(``torch.empty(pin_memory=True)``): on the H200 that call was the host's largest cost in a compiled
-Qwen-Image step with offloaded inputs (py-spy, 12 % of the step's samples), and it rounds every
-buffer up to a power of two.  On a CPU device there is nothing to move: tensors pass through.
+(``torch.empty(pin_memory=True)``): in a compiled Qwen-Image step with offloaded inputs on the H200
+the host spent 7.6 % of its samples in that call (py-spy), and it rounds every buffer up to a power
+of two (host RAM).  On a CPU device there is nothing to move: tensors pass through.
 """
 
 from __future__ import annotations
