@@ -253,6 +253,17 @@ class TrainSection(_Section):
         return value
 
     @model_validator(mode="after")
+    def _lora_keys_need_adapters(self):
+        # Full fine-tuning trains the transformer itself: a LoRA-only key would be silently ignored.
+        if self.lora_rank == 0 and self.trainable_models:
+            for key, value in (("lora_alpha", self.lora_alpha), ("lora_target_modules", self.lora_target_modules),
+                               ("lora_narrow_inputs", self.lora_narrow_inputs or None)):
+                if value is not None:
+                    raise ValueError(f"train.{key} applies to LoRA adapters, and full fine-tuning "
+                                     "(train.lora_rank = 0 with train.trainable_models) has none; remove it")
+        return self
+
+    @model_validator(mode="after")
     def _compiled_or_deterministic(self):
         if self.compile_blocks and self.deterministic:
             raise ValueError("train.compile_blocks and train.deterministic together: compiled kernels are not "

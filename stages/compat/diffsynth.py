@@ -258,6 +258,13 @@ def _apply_training(data: dict, flags: dict[str, str], defaults: bool, family: s
     if trainable and base is None:
         apply_override(data, "train.trainable_models", [spec.transformer_component])
         apply_override(data, "train.lora_rank", 0)
+        # DiffSynth adds no LoRA without --lora_base_model, so it never reads these (nor their defaults)
+        ignored = [f"--{flag}" for flag in ("lora_alpha", "lora_target_modules") if flag in flags]
+        if ignored:
+            print(f"splitflow: {' and '.join(ignored)} ignored: --trainable_models dit alone is full fine-tuning, "
+                  "with no LoRA (as in DiffSynth)", file=sys.stderr)
+        apply_override(data, "train.lora_alpha", None)
+        apply_override(data, "train.lora_target_modules", None)
         return
     if trainable:
         print("splitflow: --trainable_models dit with --lora_base_model dit: as in DiffSynth, the DiT stays frozen "

@@ -166,12 +166,22 @@ CONFIG_CASES = {
     # checked before any model loads, not as a TypeError once the DiT is in memory
     "train.optimizer_args.betaz=[0.9, 0.99]": "train.optimizer_args.betaz: torch.optim.AdamW takes no 'betaz'",
 }
+FULL_FINETUNE = ("train.lora_rank=0", "train.trainable_models=['transformer']")
+LORA_ONLY_KEYS = ["train.lora_narrow_inputs=true", "train.lora_alpha=8", "train.lora_target_modules=['to_q']"]
 
 
 @pytest.mark.parametrize("override", list(CONFIG_CASES))
 def test_out_of_range_config_values_name_the_dotted_key(cached, capsys, override):
     code, err = _cli(capsys, "train", cached / "config.toml", "--in-process", "--set", override)
     _assert_one_line(code, err, 2, CONFIG_CASES[override])
+
+
+@pytest.mark.parametrize("override", LORA_ONLY_KEYS)
+def test_lora_keys_under_full_finetuning_are_refused_not_ignored(cached, capsys, override):
+    sets = [arg for key in (*FULL_FINETUNE, override) for arg in ("--set", key)]
+    code, err = _cli(capsys, "train", cached / "config.toml", "--in-process", *sets)
+    key = override.split("=")[0]
+    _assert_one_line(code, err, 2, f"{key} applies to LoRA adapters", "full fine-tuning")
 
 
 def _demo_model(cached: Path) -> Path:

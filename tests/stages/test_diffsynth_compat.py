@@ -87,6 +87,16 @@ def test_trainable_models_dit_alone_is_full_fine_tuning(in_release):
     assert set(cfg.model.sources) == {"transformer"}  # train-only: no tokenizer needed
 
 
+def test_lora_flags_beside_full_fine_tuning_are_ignored_as_diffsynth_does(in_release, capsys):
+    in_release("qwen_image")
+    cfg = run_config_from_cli(None, [], ["--model_id_with_origin_paths", MODELS["qwen_image"].split(",")[0],
+                                         "--dataset_base_path", "d", "--dataset_metadata_path", "m.csv",
+                                         "--trainable_models", "dit", "--lora_alpha", "16",
+                                         "--lora_target_modules", "to_q,to_k"], "train")
+    assert cfg.train.lora_rank == 0 and cfg.train.lora_alpha is None and cfg.train.lora_target_modules is None
+    assert "--lora_alpha and --lora_target_modules ignored" in capsys.readouterr().err
+
+
 def test_bad_lora_targets_are_named_together_before_training(in_release, capsys):
     in_release("qwen_image")
     started = time.perf_counter()
