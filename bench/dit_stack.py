@@ -66,11 +66,16 @@ class Stack(nn.Module):
         self.blocks = nn.ModuleList(Block(w, heads) for _ in range(n))
         self.loras = nn.ModuleList()
 
-    def add_lora(self, rank: int, seed: int = 0, narrow: bool = True) -> None:
+    def add_lora(self, rank: int, seed: int = 0, narrow: bool = True, in_blocks: bool = False) -> None:
+        """``in_blocks``: each block owns its adapters (``block.adapters``), so an engine streaming the
+        block streams them with it (optimizer offload); otherwise they live beside the blocks."""
         g = torch.Generator(self.blocks[0].qkv.weight.device).manual_seed(seed)
         for blk in self.blocks:
-            for lin in (blk.qkv, blk.out, blk.up, blk.down):
-                self.loras.append(LoRA(lin, rank, g, narrow))
+            loras = [LoRA(lin, rank, g, narrow) for lin in (blk.qkv, blk.out, blk.up, blk.down)]
+            if in_blocks:
+                blk.adapters = nn.ModuleList(loras)
+            else:
+                self.loras.extend(loras)
 
     def forward(self, x, between=None):
         """``between(i, phase)`` is called before ("pre") and after ("post") block i (musubi's hooks)."""
@@ -86,15 +91,16 @@ class Stack(nn.Module):
 SIZES = {"full": (24, 3072, 4096), "quick": (6, 1024, 1024)}
 
 
-def build(size: str, device: torch.device, seed: int = 0,
-          lora_input: str = "narrow") -> tuple[Stack, torch.Tensor]:
-    """The stack in bf16 on ``device`` (random weights), LoRA r32 (``LORA_INPUTS``), and its input."""
+def build(size: str, device: torch.device, seed: int = 0, lora_input: str = "narrow",
+          adapters_in_blocks: bool = False) -> tuple[Stack, torch.Tensor]:
+    """The stack in bf16 on ``device`` (random weights), LoRA r32 (``LORA_INPUTS``; the same values
+    wherever the adapters live), and its input."""
     n, w, tokens = SIZES[size]
     torch.manual_seed(seed)
     with torch.device(device):
         model = Stack(n, w, w // 128).to(torch.bfloat16)
     model.requires_grad_(False)
-    model.add_lora(32, seed, narrow=lora_input == "narrow")
+    model.add_lora(32, seed, narrow=lora_input == "narrow", in_blocks=adapters_in_blocks)
     x = torch.randn(1, tokens, w, generator=torch.Generator().manual_seed(seed + 1)).to(device, torch.bfloat16)
     return model, x
 

@@ -6,7 +6,9 @@ The same 24x3072 LoRA stack (``bench/dit_stack.py``: 4096 tokens, checkpointing,
 Linear, fused AdamW on the adapters) is trained in separate processes: all weights resident; our
 engine with every block streamed (blocks as units; and split into Linears by
 ``cpu_offload_split_threshold``, which shrinks the slots); fp8 storage; a GPU budget that keeps 12
-of the 24 blocks resident; rows ending in ``_act`` also keep the checkpointed block inputs in host
+of the 24 blocks resident; the adapters' AdamW on the CPU (``streamed_hostopt``: the blocks own
+their adapters, which stream with them, ``enable_optimizer_cpu_offload`` + ``bind_optimizer`` as the
+trainer binds it); rows ending in ``_act`` also keep the checkpointed block inputs in host
 memory (``offload_activations``); and musubi's offloader (``bench/musubi_harness.py``) with 24 and with 12
 blocks swapped.  Prints one JSON document: s/step (median), peak ``max_memory_allocated``,
 host->device bytes per step, and ratios to ``bound = max(resident s/step, bytes / pinned bandwidth)``.
@@ -30,18 +32,21 @@ ROOT = Path(__file__).resolve().parents[1]
 MIB, GIB = 2**20, 2**30
 # Our rows; "_act": the same with the checkpointed block inputs offloaded to host memory
 # (``apply_gradient_checkpointing(..., offload_activations=True)``).
-ROWS = ("streamed", "streamed_split", "fp8_streamed", "streamed_act", "fp8_streamed_act",
-        "budget_12_of_24", "budget_12_of_24_act")
+ROWS = ("streamed", "streamed_split", "fp8_streamed", "streamed_act", "fp8_streamed_act", "streamed_hostopt_act",
+        "budget_12_of_24", "budget_12_of_24_act", "budget_12_of_24_hostopt_act")
+BUDGET = "budget_12_of_24"
 
 
 def engine_options(mode: str, size: str, budget_gib: float | None) -> dict:
     """Our engine's options for each row."""
     linear = 4 * SIZES[size][1] ** 2 * 2  # the largest Linear of a block (up/down: 4·w²), bf16 bytes
     mode = mode.removesuffix("_act")  # the same engine options, with the block inputs offloaded
-    return {"streamed": dict(prefetch=1),
+    host_optimizer = mode.endswith("_hostopt")
+    opts = {"streamed": dict(prefetch=1),
             "streamed_split": dict(prefetch=2, cpu_offload_split_threshold=1.2 * linear / MIB),
             "fp8_streamed": dict(prefetch=1, storage_dtype=torch.float8_e4m3fn),
-            "budget_12_of_24": dict(prefetch=1, vram_budget_gb=budget_gib)}[mode]
+            BUDGET: dict(prefetch=1, vram_budget_gb=budget_gib)}[mode.removesuffix("_hostopt")]
+    return {**opts, "enable_optimizer_cpu_offload": True} if host_optimizer else opts
 
 
 def run_worker(args) -> dict:
@@ -51,7 +56,8 @@ def run_worker(args) -> dict:
     from diffsynth_core.training.device import avoid_broken_kernels
 
     device = avoid_broken_kernels(args.device)
-    model, x = build(args.size, device, lora_input=args.lora_input)
+    host_optimizer = "hostopt" in args.worker
+    model, x = build(args.size, device, lora_input=args.lora_input, adapters_in_blocks=host_optimizer)
     apply_gradient_checkpointing(model, ("blocks",), offload_activations=args.worker.endswith("_act"))
     mgr = None
     if args.worker != "resident":
@@ -59,7 +65,11 @@ def run_worker(args) -> dict:
         mgr = OffloadTrainingManager(model, device, block_container_names=("blocks",), **opts)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=device.type == "cuda")
+    # fused: torch's fused AdamW, on the GPU or (optimizer offload) the CPU, as build_optimizer picks it
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
+                            fused=device.type == "cuda" or host_optimizer)
+    if host_optimizer:
+        mgr.bind_optimizer(opt)  # as prepare.py binds it: steps queued by opt.step(), run off the main thread
 
     def step():
         loss = model(x).float().pow(2).mean()
@@ -79,6 +89,8 @@ def run_worker(args) -> dict:
                    planned_h2d_gb_per_step=(rep["planned_h2d_bytes_per_step"] or 0) / 1e9 or None,
                    budget_gib=(rep["budget_bytes"] or 0) / GIB or None,
                    unit_gib=max(u.dev_bytes for u in mgr.plan.units) / GIB)
+        if rep.get("host_optimizer"):
+            out["host_optimizer"] = rep["host_optimizer"]
         mgr.detach()
     else:
         out["h2d_gb_per_step"] = 0.0
@@ -112,15 +124,16 @@ def orchestrate(args) -> dict:
     rows = Rows(args.out)
     rows["resident"] = _spawn(["-m", "bench.side_by_side", "--worker", "resident", *common])
     # A budget row plans from the matching all-streamed row's peak: asking for it runs that row too.
-    wanted = set(args.rows) | {"streamed" + sfx for sfx in ("", "_act") if "budget_12_of_24" + sfx in args.rows}
+    budgets = [mode for mode in ROWS if mode.startswith(BUDGET) and mode in args.rows]
+    wanted = set(args.rows) | {mode.replace(BUDGET, "streamed") for mode in budgets}
     for mode in ROWS:
-        if mode in wanted and not mode.startswith("budget"):
+        if mode in wanted and not mode.startswith(BUDGET):
             rows[mode] = _spawn(["-m", "bench.side_by_side", "--worker", mode, *common])
-    for suffix in ("", "_act"):
-        streamed, mode = rows.get("streamed" + suffix, {}), "budget_12_of_24" + suffix
-        if mode in args.rows and not streamed.get("peak_gib"):
-            rows[mode] = {"error": f"streamed{suffix} gave no peak to plan from"}
-        elif mode in args.rows:
+    for mode in budgets:
+        streamed = rows.get(mode.replace(BUDGET, "streamed"), {})
+        if not streamed.get("peak_gib"):
+            rows[mode] = {"error": f"{mode.replace(BUDGET, 'streamed')} gave no peak to plan from"}
+        else:
             # Room for 12.5 blocks above what the all-streamed step peaks at (+ the planner's margin):
             # the planner then keeps 12 of the 24 blocks resident.
             room = streamed["peak_gib"] + 12.5 * streamed["unit_gib"] + 256 * MIB / GIB
