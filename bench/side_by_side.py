@@ -8,7 +8,8 @@ engine with every block streamed (blocks as units; and split into Linears by
 ``cpu_offload_split_threshold``, which shrinks the slots); fp8 storage; a GPU budget that keeps 12
 of the 24 blocks resident; the adapters' AdamW on the CPU (``streamed_hostopt``: the blocks own
 their adapters, which stream with them, ``enable_optimizer_cpu_offload`` + ``bind_optimizer`` as the
-trainer binds it); rows ending in ``_act`` also keep the checkpointed block inputs in host
+trainer binds it; ``_early``: each block's step overlapped with backward, ``overlap_backward=True``;
+the budget planner keeps no block with trainable weights resident, so there is no budget row of it); rows ending in ``_act`` also keep the checkpointed block inputs in host
 memory (``offload_activations``); and musubi's offloader (``bench/musubi_harness.py``) with 24 and with 12
 blocks swapped.  Prints one JSON document: s/step (median), peak ``max_memory_allocated``,
 host->device bytes per step, and ratios to ``bound = max(resident s/step, bytes / pinned bandwidth)``.
@@ -33,14 +34,14 @@ MIB, GIB = 2**20, 2**30
 # Our rows; "_act": the same with the checkpointed block inputs offloaded to host memory
 # (``apply_gradient_checkpointing(..., offload_activations=True)``).
 ROWS = ("streamed", "streamed_split", "fp8_streamed", "streamed_act", "fp8_streamed_act", "streamed_hostopt_act",
-        "budget_12_of_24", "budget_12_of_24_act", "budget_12_of_24_hostopt_act")
+        "streamed_hostopt_early_act", "budget_12_of_24", "budget_12_of_24_act")
 BUDGET = "budget_12_of_24"
 
 
 def engine_options(mode: str, size: str, budget_gib: float | None) -> dict:
     """Our engine's options for each row."""
     linear = 4 * SIZES[size][1] ** 2 * 2  # the largest Linear of a block (up/down: 4·w²), bf16 bytes
-    mode = mode.removesuffix("_act")  # the same engine options, with the block inputs offloaded
+    mode = mode.removesuffix("_act").removesuffix("_early")  # "_act", "_early": set in run_worker
     host_optimizer = mode.endswith("_hostopt")
     opts = {"streamed": dict(prefetch=1),
             "streamed_split": dict(prefetch=2, cpu_offload_split_threshold=1.2 * linear / MIB),
@@ -69,7 +70,10 @@ def run_worker(args) -> dict:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
                             fused=device.type == "cuda" or host_optimizer)
     if host_optimizer:
-        mgr.bind_optimizer(opt)  # as prepare.py binds it: steps queued by opt.step(), run off the main thread
+        # as prepare.py binds it (steps queued by opt.step(), run off the main thread), or "_early": each
+        # block's step starts once its gradients are on the host, during backward (library use only:
+        # the trainer's non-finite guard must see every gradient first)
+        mgr.bind_optimizer(opt, overlap_backward="_early" in args.worker)
 
     def step():
         loss = model(x).float().pow(2).mean()
