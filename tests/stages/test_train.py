@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -66,7 +67,9 @@ def test_validation_images_are_rendered_every_k_steps_without_changing_the_run(m
 @pytest.mark.parametrize("extra", [
     ["offload.enable_model_cpu_offload=true"],
     ["offload.enable_model_cpu_offload=true", "offload.granularity='leaf'", "train.gradient_checkpointing_offload=true"],
-], ids=["block", "leaf+activation-offload"])
+    # the adapters live on the host with their blocks and step there (fused CPU AdamW), then export
+    ["offload.enable_model_cpu_offload=true", "offload.enable_optimizer_cpu_offload=true"],
+], ids=["block", "leaf+activation-offload", "optimizer-offload"])
 def test_training_under_the_offload_engine_equals_training_without_it(make_config, tmp_path, extra):
     steps = ["train.max_steps=4", "train.save_steps=0"]
     plain = make_config(*steps, f"output.path={tmp_path / 'plain'}")
@@ -79,6 +82,9 @@ def test_training_under_the_offload_engine_equals_training_without_it(make_confi
     assert got.keys() == expected.keys()
     for k in expected:  # see _MMAP_NOTE for why this is close rather than bitwise
         torch.testing.assert_close(got[k], expected[k], rtol=1e-5, atol=1e-7)
+    report = json.loads((offloaded.output_dir / "offload.json").read_text())
+    if "offload.enable_optimizer_cpu_offload=true" in extra:  # the adapters really stepped on the host
+        assert report["host_optimizer"]["jobs"] >= 4 and report["d2h_grad_bytes"] > 0
 
 
 # Without offload, CPU training computes with the weights as loaded: views of the mmapped
