@@ -107,6 +107,12 @@ class OffloadTrainingManager:
         n_slots = min(prefetch + 1, len(self.plan.units))
         # Checked before anything moves: a budget that cannot even hold the slots fails here.
         self.budget = BudgetTracker(budget, self.device, self.plan.fixed_bytes(n_slots)) if budget > 0 else None
+        if self.budget is not None and self.plan.units and all(u.trainable for u in self.plan.units):
+            # Their weights step on the host and come back with each load: a budget can keep none of
+            # them resident (budget.py), only cap the peak.  Said once, not left to be found in the speed.
+            warnings.warn("offload: every block holds trainable weights kept on the host "
+                          "(enable_optimizer_cpu_offload), so offload.vram_budget_gb keeps none resident: "
+                          "every block streams, and the budget only caps the peak", RuntimeWarning, stacklevel=2)
         self.plan.move_resident()
         pin = self.device.type == "cuda" if pin_memory is None else pin_memory
         self.arena = self._make_arena(pin, share_host_copy, host_arena_factory or HostArena)

@@ -72,6 +72,19 @@ def test_budget_that_cannot_hold_the_slots_fails_at_attach_naming_the_key():
     assert not hasattr(model, "_splitflow_offload_manager")  # nothing was attached
 
 
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_a_budget_over_blocks_stepped_on_the_host_says_it_keeps_none(lora):
+    import warnings
+
+    model = add_lora(ToyStack(d=64, n=4), ["up"]) if lora else ToyStack(d=64, n=4)
+    with pytest.warns(RuntimeWarning, match="keeps none resident"):
+        mgr = OffloadTrainingManager(model, "cpu", enable_optimizer_cpu_offload=True, vram_budget_gb=1.0)
+    mgr.detach()
+    with warnings.catch_warnings():  # frozen blocks can stay resident: nothing to say
+        warnings.simplefilter("error")
+        OffloadTrainingManager(model, "cpu", vram_budget_gb=1.0).detach()
+
+
 def test_fp8_units_kept_as_stored_train_bitwise_like_streamed_ones_and_copy_less():
     from diffsynth_core.gradient import apply_gradient_checkpointing
     from offload_tiny import budget_for, train
