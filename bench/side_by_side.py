@@ -9,9 +9,10 @@ engine with every block streamed (blocks as units; and split into Linears by
 of the 24 blocks resident; the adapters' AdamW on the CPU (``streamed_hostopt``: the blocks own
 their adapters, which stream with them, ``enable_optimizer_cpu_offload`` + ``bind_optimizer`` as the
 trainer binds it; ``_early``: each block's step overlapped with backward, ``overlap_backward=True``;
-the budget planner keeps no block with trainable weights resident, so there is no budget row of it); rows ending in ``_act`` also keep the checkpointed block inputs in host
-memory (``offload_activations``); and musubi's offloader (``bench/musubi_harness.py``) with 24 and with 12
-blocks swapped.  Prints one JSON document: s/step (median), peak ``max_memory_allocated``,
+the budget planner keeps no block with trainable weights resident, so there is no budget row of
+it); rows ending in ``_act`` also keep the checkpointed block inputs in host memory
+(``offload_activations``); and musubi's offloader (``bench/musubi_harness.py``) with 24 and with
+12 blocks swapped.  Prints one JSON document: s/step (median), peak ``max_memory_allocated``,
 host->device bytes per step, and ratios to ``bound = max(resident s/step, bytes / pinned bandwidth)``.
 Without ``--musubi-file`` the musubi rows are skipped.  ``--size quick --device cpu`` checks the
 script on a machine without a GPU (our rows only).
