@@ -46,8 +46,8 @@ class HostBuffers:
     ``take(nbytes)`` returns a buffer and the CUDA events its next writer must wait for (the copies
     that last wrote and read it); ``give(buffer, events)`` takes it back.  Idle buffers are kept up
     to the most bytes ever in use at once, so a run whose shapes never change allocates in its
-    first step only, and one whose shapes do (resolution buckets) holds at most twice its largest
-    working set.
+    first step only, and one whose shapes do (resolution buckets) holds about twice its largest
+    working set at most (a buffer a copy still touches is kept even over that).
     """
 
     def __init__(self, pin: bool = True):
