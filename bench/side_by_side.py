@@ -58,12 +58,12 @@ def run_worker(args) -> dict:
     from diffsynth_core.training.device import avoid_broken_kernels
 
     device = avoid_broken_kernels(args.device)
-    host_optimizer = "hostopt" in args.worker
+    opts = engine_options(args.worker, args.size, args.budget_gib) if args.worker != "resident" else None
+    host_optimizer = bool(opts and opts.get("enable_optimizer_cpu_offload"))
     model, x = build(args.size, device, lora_input=args.lora_input, adapters_in_blocks=host_optimizer)
     apply_gradient_checkpointing(model, ("blocks",), offload_activations=args.worker.endswith("_act"))
     mgr = None
-    if args.worker != "resident":
-        opts = engine_options(args.worker, args.size, args.budget_gib)
+    if opts is not None:
         mgr = OffloadTrainingManager(model, device, block_container_names=("blocks",), **opts)
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -256,9 +256,11 @@ class TrainSection(_Section):
     def _lora_keys_need_adapters(self):
         # Full fine-tuning trains the transformer itself: a LoRA-only key would be silently ignored.
         if self.lora_rank == 0 and self.trainable_models:
-            for key, value in (("lora_alpha", self.lora_alpha), ("lora_target_modules", self.lora_target_modules),
-                               ("lora_narrow_inputs", self.lora_narrow_inputs or None)):
-                if value is not None:
+            lora_only = {"lora_alpha": self.lora_alpha is not None,
+                         "lora_target_modules": self.lora_target_modules is not None,
+                         "lora_narrow_inputs": self.lora_narrow_inputs}
+            for key, is_set in lora_only.items():
+                if is_set:
                     raise ValueError(f"train.{key} applies to LoRA adapters, and full fine-tuning "
                                      "(train.lora_rank = 0 with train.trainable_models) has none; remove it")
         return self

@@ -137,13 +137,14 @@ class ActivationOffloader:
         return self.streams[device]
 
     def pack(self, t: torch.Tensor):
-        if not t.is_cuda or t.numel() * t.element_size() < self.min_bytes:
+        nbytes = t.numel() * t.element_size()
+        if not t.is_cuda or nbytes < self.min_bytes:
             return t
         known = self.live.get(id(t))
         if known is not None and known.alive() is t:  # packed before, alive and unchanged: one host copy
             return known
         d2h, _ = self._streams(t.device)
-        buffer, after = self.host.take(t.numel() * t.element_size())
+        buffer, after = self.host.take(nbytes)
         host = typed_view(buffer.buffer, 0, t.dtype, t.shape)
         d2h.wait_stream(torch.cuda.current_stream(t.device))  # after the compute that produced t
         for event in after:  # and after the copies that last wrote and read the buffer
@@ -152,7 +153,7 @@ class ActivationOffloader:
             host.copy_(t, non_blocking=True)
             done = d2h.record_event()
         t.record_stream(d2h)  # its memory is reused only after the copy has read it
-        self.d2h_bytes += host.numel() * host.element_size()
+        self.d2h_bytes += nbytes
         saved = _Saved(self.host, buffer, host, t.device, done, self.last, t)
         self.last = weakref.ref(saved)
         self.live[id(t)] = saved
