@@ -134,7 +134,8 @@ def qwen_worker(a) -> dict:
                          compile_blocks=a.compile, optimizer_args={"fused": True} if a.fused_adamw else {},
                          lora_narrow_inputs=a.narrow_lora_input)
     offload = OffloadSection(enable_model_cpu_offload=a.offload, vram_budget_gb=a.budget_gib,
-                             storage_dtype=a.storage or None, prefetch=a.prefetch)
+                             storage_dtype=a.storage or None, prefetch=a.prefetch,
+                             optimizer_state_on_host=a.state_on_host)
     stamps: list[float] = []
     profiler = StepProfiler(a.profile_step)
 
@@ -180,6 +181,8 @@ def qwen_worker(a) -> dict:
                    arena_gb=rep["arena_bytes"] / GB, planned_h2d_gb_per_step=(rep["planned_h2d_bytes_per_step"] or 0) / GB,
                    h2d_gb_per_step=rep["last_step_h2d_bytes"] / GB, planned_peak_gb=(rep["planned_peak_bytes"] or 0) / GB,
                    budget_gb=(rep["budget_bytes"] or 0) / GB)
+        if result.host_state is not None:
+            out["optimizer_state_on_host"] = result.host_state.stats
         result.offload.detach(restore_frozen=False)  # what the LoRA export does
     profile = profiler.summary()
     if profile is not None:
@@ -393,6 +396,9 @@ def case_qwen20b(a) -> dict:
     rows.update({f"{name}_fused": [*rows[name], "--fused-adamw"]
                  for name in ("resident_compiled", "budget_24gb_compiled", "budget_24gb_act_compiled",
                               "fp8_budget_16gb_compiled", "fp8_budget_16gb_act_compiled")})
+    # offload.optimizer_state_on_host: AdamW's moments wait in host memory between steps
+    rows.update({f"{name}_hoststate": [*rows[name], "--state-on-host"]
+                 for name in ("budget_24gb_compiled_fused", "fp8_budget_16gb_compiled_fused")})
     # train.lora_narrow_inputs: the adapters save their bf16 input, not peft's fp32 copy
     rows.update({f"{name}_narrow": [*rows[name], "--narrow-lora-input"] for name in ("resident", "resident_compiled")})
     wanted = ([] if a.skip_resident else ["resident"]) + a.qwen_rows.split(",")
@@ -743,10 +749,11 @@ def main() -> None:
                          "budget_24gb[_act] / fp8_budget_24gb / fp8_budget_16gb[_act] rows "
                          "(train.compile_blocks: ratios to resident_compiled); NAME_fused for resident_compiled, "
                          "budget_24gb_compiled, budget_24gb_act_compiled and the fp8_budget_16gb[_act]_compiled "
-                         "rows (train.optimizer_args.fused = true); resident_narrow, resident_compiled_narrow "
-                         "(train.lora_narrow_inputs = true)")
+                         "rows (train.optimizer_args.fused = true); budget_24gb_compiled_fused_hoststate, "
+                         "fp8_budget_16gb_compiled_fused_hoststate (offload.optimizer_state_on_host = true); "
+                         "resident_narrow, resident_compiled_narrow (train.lora_narrow_inputs = true)")
     for flag in ("--offload", "--deterministic", "--keep-lora", "--act-offload", "--old-loop", "--skip-resident",
-                 "--per-tensor-widening", "--compile", "--fused-adamw", "--narrow-lora-input"):
+                 "--per-tensor-widening", "--compile", "--fused-adamw", "--narrow-lora-input", "--state-on-host"):
         ap.add_argument(flag, action="store_true")
     a = ap.parse_args()
     if a.worker == "qwen":

@@ -11,7 +11,8 @@ their adapters, which stream with them, ``enable_optimizer_cpu_offload`` + ``bin
 trainer binds it; ``_early``: each block's step overlapped with backward, ``overlap_backward=True``;
 the budget planner keeps no block with trainable weights resident, so there is no budget row of
 it); rows ending in ``_act`` also keep the checkpointed block inputs in host memory
-(``offload_activations``); and musubi's offloader (``bench/musubi_harness.py``) with 24 and with
+(``offload_activations``), rows ending in ``_hoststate`` also keep AdamW's moments there between
+steps (``offload.optimizer_state_on_host``: the step stays on the GPU); and musubi's offloader (``bench/musubi_harness.py``) with 24 and with
 12 blocks swapped.  Prints one JSON document: s/step (median), peak ``max_memory_allocated``,
 host->device bytes per step, and ratios to ``bound = max(resident s/step, bytes / pinned bandwidth)``.
 Without ``--musubi-file`` the musubi rows are skipped.  ``--size quick --device cpu`` checks the
@@ -35,14 +36,16 @@ MIB, GIB = 2**20, 2**30
 # Our rows; "_act": the same with the checkpointed block inputs offloaded to host memory
 # (``apply_gradient_checkpointing(..., offload_activations=True)``).
 ROWS = ("streamed", "streamed_split", "fp8_streamed", "streamed_act", "fp8_streamed_act", "streamed_hostopt_act",
-        "streamed_hostopt_early_act", "budget_12_of_24", "budget_12_of_24_act")
+        "streamed_hostopt_early_act", "streamed_act_hoststate", "budget_12_of_24", "budget_12_of_24_act",
+        "budget_12_of_24_act_hoststate")
 BUDGET = "budget_12_of_24"
 
 
 def engine_options(mode: str, size: str, budget_gib: float | None) -> dict:
     """Our engine's options for each row."""
     linear = 4 * SIZES[size][1] ** 2 * 2  # the largest Linear of a block (up/down: 4·w²), bf16 bytes
-    mode = mode.removesuffix("_act").removesuffix("_early")  # "_act", "_early": set in run_worker
+    # "_hoststate", "_act", "_early": set in run_worker
+    mode = mode.removesuffix("_hoststate").removesuffix("_act").removesuffix("_early")
     host_optimizer = mode.endswith("_hostopt")
     opts = {"streamed": dict(prefetch=1),
             "streamed_split": dict(prefetch=2, cpu_offload_split_threshold=1.2 * linear / MIB),
@@ -61,7 +64,7 @@ def run_worker(args) -> dict:
     opts = engine_options(args.worker, args.size, args.budget_gib) if args.worker != "resident" else None
     host_optimizer = bool(opts and opts.get("enable_optimizer_cpu_offload"))
     model, x = build(args.size, device, lora_input=args.lora_input, adapters_in_blocks=host_optimizer)
-    apply_gradient_checkpointing(model, ("blocks",), offload_activations=args.worker.endswith("_act"))
+    apply_gradient_checkpointing(model, ("blocks",), offload_activations="_act" in args.worker)
     mgr = None
     if opts is not None:
         mgr = OffloadTrainingManager(model, device, block_container_names=("blocks",), **opts)
@@ -75,6 +78,12 @@ def run_worker(args) -> dict:
         # block's step starts once its gradients are on the host, during backward (library use only:
         # the trainer's non-finite guard must see every gradient first)
         mgr.bind_optimizer(opt, overlap_backward="_early" in args.worker)
+    if args.worker.endswith("_hoststate"):  # AdamW's moments wait in host memory between steps
+        from diffsynth_core.offload.optimizer_state import HostOptimizerState
+
+        keeper = HostOptimizerState(opt, tuple(args.state_keys.split(",")) if args.state_keys else None)
+        if args.state_sync:  # the copies out on the step's path, not beside the next forward
+            opt.register_step_post_hook(lambda *_: keeper.wait())
 
     def step():
         loss = model(x).float().pow(2).mean()
@@ -126,14 +135,15 @@ def orchestrate(args) -> dict:
     device = torch.device(args.device)
     common = ["--size", args.size, "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
               "--lora-input", args.lora_input]
+    ours = [*common, "--state-keys", args.state_keys] + (["--state-sync"] if args.state_sync else [])
     rows = Rows(args.out)
-    rows["resident"] = _spawn(["-m", "bench.side_by_side", "--worker", "resident", *common])
+    rows["resident"] = _spawn(["-m", "bench.side_by_side", "--worker", "resident", *ours])
     # A budget row plans from the matching all-streamed row's peak: asking for it runs that row too.
     budgets = [mode for mode in ROWS if mode.startswith(BUDGET) and mode in args.rows]
     wanted = set(args.rows) | {mode.replace(BUDGET, "streamed") for mode in budgets}
     for mode in ROWS:
         if mode in wanted and not mode.startswith(BUDGET):
-            rows[mode] = _spawn(["-m", "bench.side_by_side", "--worker", mode, *common])
+            rows[mode] = _spawn(["-m", "bench.side_by_side", "--worker", mode, *ours])
     for mode in budgets:
         streamed = rows.get(mode.replace(BUDGET, "streamed"), {})
         if not streamed.get("peak_gib"):
@@ -142,7 +152,7 @@ def orchestrate(args) -> dict:
             # Room for 12.5 blocks above what the all-streamed step peaks at (+ the planner's margin):
             # the planner then keeps 12 of the 24 blocks resident.
             room = streamed["peak_gib"] + 12.5 * streamed["unit_gib"] + 256 * MIB / GIB
-            rows[mode] = _spawn(["-m", "bench.side_by_side", "--worker", mode, *common,
+            rows[mode] = _spawn(["-m", "bench.side_by_side", "--worker", mode, *ours,
                                  "--budget-gib", f"{room / 0.98:.4f}"])
     if args.musubi_file and device.type == "cuda":
         for swap in (SIZES[args.size][0], SIZES[args.size][0] // 2):
@@ -173,6 +183,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--lora-input", choices=LORA_INPUTS, default="narrow",
                     help="adapters save their bf16 input (splitflow's LoRA) or an fp32 copy (a plain x.float())")
+    ap.add_argument("--state-keys", default="", help="_hoststate rows: only these optimizer state keys "
+                    "(comma-separated, e.g. exp_avg_sq); all when empty")
+    ap.add_argument("--state-sync", action="store_true", help="_hoststate rows: wait for the state's copies out "
+                    "at the end of each step")
     ap.add_argument("--musubi-file", default=None, help="musubi-tuner's custom_offloading_utils.py (not shipped)")
     ap.add_argument("--rows", default=",".join(ROWS), type=lambda v: v.split(","),
                     help="which of our rows to run (resident always runs)")

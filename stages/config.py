@@ -276,6 +276,9 @@ class TrainSection(_Section):
 class OffloadSection(_Section):
     enable_model_cpu_offload: bool = False
     enable_optimizer_cpu_offload: bool = False
+    # The optimizer's state (AdamW's moments) waits in pinned host memory between steps; the step
+    # itself stays on the GPU (docs/offload.md).  Nothing to do on a CPU run.
+    optimizer_state_on_host: bool = False
     # MB, as in DiffSynth-Studio: a unit with more bytes of weights is split into its children.
     cpu_offload_split_threshold: float | None = Field(None, gt=0, allow_inf_nan=False)
     # Cap on the GPU's peak memory (GiB) or "auto" (what is free, minus 5 %); 0: stream every block.

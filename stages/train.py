@@ -177,8 +177,11 @@ def _train(cfg: RunConfig) -> TrainSummary:
                       checkpoint_metadata={METADATA_KEY: base, NUMERICS_KEY: numerics(cfg)} if base else None,
                       empty_prompt=empty_prompt)
     result = trainer.fit()
-    if result.offload is not None and trainer.rank == 0:  # planned vs measured bytes per step, GPU peak
-        (output / "offload.json").write_text(json.dumps(result.offload.report(), indent=1))
+    report = result.offload.report() if result.offload is not None else {}  # planned vs measured bytes, GPU peak
+    if result.host_state is not None:
+        report["optimizer_state_on_host"] = result.host_state.stats
+    if report and trainer.rank == 0:
+        (output / "offload.json").write_text(json.dumps(report, indent=1))
     if result.offload is not None and result.lora_config is None:
         result.offload.detach()  # full fine-tuning exports every weight: back in place, no second copy
     exports = _export(spec, result, output) if trainer.rank == 0 else {}

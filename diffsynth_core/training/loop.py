@@ -47,6 +47,7 @@ class TrainResult:
     # Under offload the engine stays attached, so an export can read the adapters without
     # restoring the frozen base; ``offload.detach()`` gives the model back (in place).
     offload: Any = None
+    host_state: Any = None  # HostOptimizerState (offload.optimizer_state_on_host): its ``stats``
 
 
 @dataclass
@@ -160,7 +161,7 @@ class Trainer:
             metrics.close()
         averaged = ema.state_dict() if ema is not None else None
         return TrainResult(prepared.model, prepared.lora_config, step, resumed_from, losses, averaged,
-                           offload=prepared.offload)
+                           offload=prepared.offload, host_state=prepared.host_state)
 
     def make_sampler(self, batch_size: int | None = None) -> BucketSampler:
         """The run's batch order (``batch_size`` overrides ``train.batch_size``: benchmarks)."""

@@ -43,6 +43,7 @@ class Prepared:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     offload: Any | None                  # OffloadTrainingManager when streaming weights
+    host_state: Any | None = None        # HostOptimizerState under offload.optimizer_state_on_host
 
 
 def build_optimizer(class_path: str, params, learning_rate: float, weight_decay: float,
@@ -156,5 +157,10 @@ def prepare_for_training(model: nn.Module, spec: FamilySpec, train, offload, dev
         # gradient before any weight moves.  Not with an EMA: it reads the weights right after
         # optimizer.step(), before queued host steps ran.
         manager.bind_optimizer(optimizer)
+    host_state = None
+    if getattr(offload, "optimizer_state_on_host", False) and device.type == "cuda":
+        from ..offload.optimizer_state import HostOptimizerState
+
+        host_state = HostOptimizerState(optimizer)  # on a CPU run the state is in host memory already
     scheduler = constant_with_warmup(optimizer, train.warmup_steps)
-    return Prepared(model, trainable, lora_config, optimizer, scheduler, manager)
+    return Prepared(model, trainable, lora_config, optimizer, scheduler, manager, host_state)

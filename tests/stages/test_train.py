@@ -69,7 +69,9 @@ def test_validation_images_are_rendered_every_k_steps_without_changing_the_run(m
     ["offload.enable_model_cpu_offload=true", "offload.granularity='leaf'", "train.gradient_checkpointing_offload=true"],
     # the adapters live on the host with their blocks and step there (fused CPU AdamW), then export
     ["offload.enable_model_cpu_offload=true", "offload.enable_optimizer_cpu_offload=true"],
-], ids=["block", "leaf+activation-offload", "optimizer-offload"])
+    # on a CPU run the optimizer's state is in host memory already: the key changes nothing
+    ["offload.enable_model_cpu_offload=true", "offload.optimizer_state_on_host=true"],
+], ids=["block", "leaf+activation-offload", "optimizer-offload", "state-on-host"])
 def test_training_under_the_offload_engine_equals_training_without_it(make_config, tmp_path, extra):
     steps = ["train.max_steps=4", "train.save_steps=0"]
     plain = make_config(*steps, f"output.path={tmp_path / 'plain'}")

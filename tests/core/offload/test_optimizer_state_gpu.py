@@ -1,0 +1,164 @@
+"""The optimizer's state in host memory between steps (``HostOptimizerState``), on CUDA.
+
+What must hold: the update is bitwise the one of state kept on the GPU, for torch's fused and
+for-each AdamW and for SGD with momentum; between steps every non-scalar state tensor is in
+pinned host memory, and the GPU peak of forward + backward falls by the state's bytes; a
+checkpoint (``state_dict``) taken mid-run and loaded into a fresh optimizer resumes bitwise.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from diffsynth_core.offload.optimizer_state import HostOptimizerState
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+WIDTH, DEPTH = 512, 6
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)]).to(CUDA)
+
+
+def _batch(step: int) -> torch.Tensor:
+    return torch.randn(256, WIDTH, generator=torch.Generator().manual_seed(step)).to(CUDA)
+
+
+def _optimizer(kind: str, params) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-3, fused=kind == "fused", foreach=kind == "foreach" or None)
+
+
+def _step(model, optimizer, step: int) -> float:
+    loss = model(_batch(step)).float().pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def _state_tensors(optimizer):
+    return [v for entry in optimizer.state.values() for v in entry.values()
+            if isinstance(v, torch.Tensor) and v.numel() > 1]
+
+
+@pytest.mark.parametrize("kind", ["fused", "foreach", "sgd"])
+def test_state_on_host_steps_bitwise_like_state_on_the_gpu(kind):
+    runs = []
+    for on_host in (False, True):
+        model = _model()
+        optimizer = _optimizer(kind, model.parameters())
+        keeper = HostOptimizerState(optimizer) if on_host else None
+        losses = [_step(model, optimizer, s) for s in range(5)]
+        if keeper is not None:
+            keeper.wait()
+            state = _state_tensors(optimizer)
+            assert state and all(t.device.type == "cpu" and t.is_pinned() for t in state)
+            # after the first step every arena goes out and comes in as one copy a step
+            assert keeper.stats["h2d_bytes"] == 4 * keeper.stats["host_bytes"]
+            assert keeper.stats["host_bytes"] >= sum(t.nbytes for t in state)
+        runs.append((losses, [p.detach().clone() for p in model.parameters()]))
+    assert runs[0][0] == runs[1][0]
+    for expected, got in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(expected, got)
+
+
+def test_state_on_host_lowers_the_forward_and_backward_peak_by_its_bytes():
+    peaks = []
+    for on_host in (False, True):
+        model = _model()
+        optimizer = _optimizer("fused", model.parameters())
+        keeper = HostOptimizerState(optimizer) if on_host else None
+        for s in range(2):
+            _step(model, optimizer, s)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        loss = model(_batch(9)).float().pow(2).mean()
+        loss.backward()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated())
+        state_bytes = sum(t.nbytes for t in _state_tensors(optimizer))
+        del model, optimizer, keeper, loss
+    assert peaks[0] - peaks[1] >= 0.95 * state_bytes  # the moments are two weights' worth of fp32
+
+
+def test_a_checkpoint_taken_with_state_on_host_resumes_bitwise():
+    model = _model()
+    optimizer = _optimizer("fused", model.parameters())
+    HostOptimizerState(optimizer)
+    for s in range(3):
+        _step(model, optimizer, s)
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, saved)
+    expected = [_step(model, optimizer, s) for s in range(3, 6)]
+
+    resumed = _model()
+    saved.seek(0)
+    ckpt = torch.load(saved, weights_only=True)
+    resumed.load_state_dict(ckpt["model"])
+    optimizer2 = _optimizer("fused", resumed.parameters())
+    keeper = HostOptimizerState(optimizer2)
+    optimizer2.load_state_dict(ckpt["optimizer"])  # torch puts it on the GPU; the hook sends it back
+    assert all(t.device.type == "cpu" for t in _state_tensors(optimizer2))
+    got = [_step(resumed, optimizer2, s) for s in range(3, 6)]
+    assert got == expected
+    for a, b in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+    assert keeper.stats["steps"] == 4  # the load's trip out, then three steps
+
+
+def _fit_tiny_qwen(out, state_on_host: bool, max_steps: int):
+    """A tiny diffusers Qwen-Image DiT through the real Trainer on CUDA (deterministic), blocks
+    streamed by the engine, LoRA r4, a checkpoint every 2 steps."""
+    from diffsynth_core.models import get_family, qwen_image
+    from diffsynth_core.models.random_models import build_random_transformer
+    from diffsynth_core.training.device import avoid_broken_kernels
+    from diffsynth_core.training.loop import Trainer
+    from stages.config import OffloadSection, TrainSection
+
+    device = avoid_broken_kernels("cuda")
+    spec = get_family("qwen_image")
+    cfg = {**qwen_image.TRANSFORMER_CONFIGS["tiny"], "num_layers": 2}
+    model = build_random_transformer(qwen_image.TRANSFORMER_CLASS, {"w": cfg}, "w", torch.float32, torch.device("cpu"))
+    samples = []
+    for seed in range(2):
+        latents, cond = spec.dummy_inputs(model.config, batch=1, height=64, width=64, text_len=16, seed=seed)
+        samples.append({"latents": latents[0], **{k: v[0] for k, v in cond.items()}})
+    train = TrainSection(lora_rank=4, max_steps=max_steps, save_steps=2, seed=0, gradient_checkpointing=True,
+                         device="cuda", deterministic=True)
+    offload = OffloadSection(enable_model_cpu_offload=True, optimizer_state_on_host=state_on_host)
+    result = Trainer(spec, model, samples, train, offload, out, device=device, progress=False).fit()
+    lora = {k: v.detach().cpu() for k, v in result.model.named_parameters() if "lora_" in k}
+    return result, lora
+
+
+@pytest.fixture
+def deterministic_mode(monkeypatch):
+    """train.deterministic sets process-wide flags: give the other tests of this process theirs back."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+              torch.backends.cudnn.benchmark, torch.backends.cuda.cudnn_sdp_enabled())
+    yield
+    torch.use_deterministic_algorithms(before[0])
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[1], before[2]
+    torch.backends.cuda.enable_cudnn_sdp(before[3])
+
+
+def test_the_trainer_with_state_on_host_trains_and_resumes_bitwise_like_without(tmp_path, deterministic_mode):
+    pytest.importorskip("diffusers")
+    plain, plain_lora = _fit_tiny_qwen(tmp_path / "plain", False, 4)
+    hosted, hosted_lora = _fit_tiny_qwen(tmp_path / "hosted", True, 4)
+    assert hosted.host_state is not None and hosted.host_state.stats["steps"] == 4
+    assert hosted.losses == plain.losses
+    assert all(torch.equal(hosted_lora[k], plain_lora[k]) for k in plain_lora)
+    _fit_tiny_qwen(tmp_path / "resumed", True, 2)  # stops after its checkpoint at step 2
+    resumed, resumed_lora = _fit_tiny_qwen(tmp_path / "resumed", True, 4)
+    assert resumed.resumed_from == 2
+    assert all(torch.equal(resumed_lora[k], plain_lora[k]) for k in plain_lora)
