@@ -12,7 +12,9 @@ trainer binds it; ``_early``: each block's step overlapped with backward, ``over
 the budget planner keeps no block with trainable weights resident, so there is no budget row of
 it); rows ending in ``_act`` also keep the checkpointed block inputs in host memory
 (``offload_activations``), rows ending in ``_hoststate`` also keep AdamW's moments there between
-steps (``offload.optimizer_state_on_host``: the step stays on the GPU); and musubi's offloader (``bench/musubi_harness.py``) with 24 and with
+steps (``offload.optimizer_state_on_host``: the step stays on the GPU), rows ending in ``_bwdstep``
+step each page of adapters during backward with its state paged in from the host
+(``StepInBackward``, library use: no clipping or accumulation); and musubi's offloader (``bench/musubi_harness.py``) with 24 and with
 12 blocks swapped.  Prints one JSON document: s/step (median), peak ``max_memory_allocated``,
 host->device bytes per step, and ratios to ``bound = max(resident s/step, bytes / pinned bandwidth)``.
 Without ``--musubi-file`` the musubi rows are skipped.  ``--size quick --device cpu`` checks the
@@ -36,16 +38,16 @@ MIB, GIB = 2**20, 2**30
 # Our rows; "_act": the same with the checkpointed block inputs offloaded to host memory
 # (``apply_gradient_checkpointing(..., offload_activations=True)``).
 ROWS = ("streamed", "streamed_split", "fp8_streamed", "streamed_act", "fp8_streamed_act", "streamed_hostopt_act",
-        "streamed_hostopt_early_act", "streamed_act_hoststate", "budget_12_of_24", "budget_12_of_24_act",
-        "budget_12_of_24_act_hoststate")
+        "streamed_hostopt_early_act", "streamed_act_hoststate", "streamed_act_bwdstep", "budget_12_of_24",
+        "budget_12_of_24_act", "budget_12_of_24_act_hoststate", "budget_12_of_24_act_bwdstep")
 BUDGET = "budget_12_of_24"
 
 
 def engine_options(mode: str, size: str, budget_gib: float | None) -> dict:
     """Our engine's options for each row."""
     linear = 4 * SIZES[size][1] ** 2 * 2  # the largest Linear of a block (up/down: 4·w²), bf16 bytes
-    # "_hoststate", "_act", "_early": set in run_worker
-    mode = mode.removesuffix("_hoststate").removesuffix("_act").removesuffix("_early")
+    # "_hoststate", "_bwdstep", "_act", "_early": set in run_worker
+    mode = mode.removesuffix("_hoststate").removesuffix("_bwdstep").removesuffix("_act").removesuffix("_early")
     host_optimizer = mode.endswith("_hostopt")
     opts = {"streamed": dict(prefetch=1),
             "streamed_split": dict(prefetch=2, cpu_offload_split_threshold=1.2 * linear / MIB),
@@ -84,6 +86,10 @@ def run_worker(args) -> dict:
         keeper = HostOptimizerState(opt, tuple(args.state_keys.split(",")) if args.state_keys else None)
         if args.state_sync:  # the copies out on the step's path, not beside the next forward
             opt.register_step_post_hook(lambda *_: keeper.wait())
+    if args.worker.endswith("_bwdstep"):  # each page of adapters steps during backward, state paged in
+        from diffsynth_core.offload.backward_steps import StepInBackward
+
+        StepInBackward(opt)
 
     def step():
         loss = model(x).float().pow(2).mean()

@@ -21,9 +21,9 @@ CUDA = torch.device("cuda")
 WIDTH, DEPTH = 512, 6
 
 
-def _model() -> nn.Module:
+def _model(depth: int = DEPTH) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)]).to(CUDA)
+    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(depth)]).to(CUDA)
 
 
 def _batch(step: int) -> torch.Tensor:
@@ -162,3 +162,92 @@ def test_the_trainer_with_state_on_host_trains_and_resumes_bitwise_like_without(
     resumed, resumed_lora = _fit_tiny_qwen(tmp_path / "resumed", True, 4)
     assert resumed.resumed_from == 2
     assert all(torch.equal(resumed_lora[k], plain_lora[k]) for k in plain_lora)
+
+
+# --- StepInBackward: each page of weights steps during backward, its state paged in from the host ---
+
+def _step_plain_or_in_backward(model, optimizer, step: int) -> float:
+    loss = model(_batch(step)).float().pow(2).mean()
+    loss.backward()
+    optimizer.step()  # with StepInBackward: no gradient is left, nothing to do
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+@pytest.mark.parametrize("kind", ["fused", "foreach"])
+def test_steps_in_backward_are_bitwise_the_step_after_backward(kind):
+    from diffsynth_core.offload.backward_steps import StepInBackward
+
+    runs = []
+    for in_backward in (False, True):
+        model = _model()
+        optimizer = _optimizer(kind, model.parameters())
+        pager = StepInBackward(optimizer, page_bytes=WIDTH * WIDTH * 4) if in_backward else None  # ~a Linear a page
+        losses = [_step_plain_or_in_backward(model, optimizer, s) for s in range(5)]
+        if pager is not None:
+            pager.wait()
+            assert len(pager.pages) >= DEPTH - 1 and pager.stats["pages_stepped"] == 5 * len(pager.pages)
+            assert all(t.device.type == "cpu" and t.is_pinned() for t in _state_tensors(optimizer))
+            assert pager.stats["h2d_bytes"] > 0 and pager.stats["late_copies_in"] <= 4  # the first page of each step
+        runs.append((losses, [p.detach().clone() for p in model.parameters()]))
+    assert runs[0][0] == runs[1][0]
+    for expected, got in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(expected, got)
+
+
+def test_steps_in_backward_keep_state_and_gradients_off_the_backward_peak():
+    from diffsynth_core.offload.backward_steps import StepInBackward
+
+    peaks = []
+    for in_backward in (False, True):
+        model = _model(depth=24)
+        optimizer = _optimizer("fused", model.parameters())
+        pager = StepInBackward(optimizer, page_bytes=WIDTH * WIDTH * 4) if in_backward else None
+        for s in range(2):
+            _step_plain_or_in_backward(model, optimizer, s)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        _step_plain_or_in_backward(model, optimizer, 9)
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated())
+        weights = sum(p.nbytes for p in model.parameters())
+        del model, optimizer, pager
+    # plain: both moments (2x the weights) and, at the step, every gradient (1x); paged: the state and
+    # gradients of the few pages in flight (about 3 of 24 weights' worth)
+    assert peaks[0] - peaks[1] >= 2 * weights
+
+
+def test_a_second_backward_before_the_step_is_refused():
+    from diffsynth_core.offload.backward_steps import StepInBackward
+
+    model = _model()
+    optimizer = _optimizer("fused", model.parameters())
+    StepInBackward(optimizer)
+    model(_batch(0)).float().pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match="second gradient before optimizer.step"):
+        model(_batch(1)).float().pow(2).mean().backward()
+
+
+def test_a_checkpoint_taken_with_steps_in_backward_resumes_bitwise():
+    from diffsynth_core.offload.backward_steps import StepInBackward
+
+    model = _model()
+    optimizer = _optimizer("fused", model.parameters())
+    StepInBackward(optimizer, page_bytes=WIDTH * WIDTH * 4)
+    for s in range(3):
+        _step_plain_or_in_backward(model, optimizer, s)
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, saved)
+    expected = [_step_plain_or_in_backward(model, optimizer, s) for s in range(3, 6)]
+
+    resumed = _model()
+    saved.seek(0)
+    ckpt = torch.load(saved, weights_only=True)
+    resumed.load_state_dict(ckpt["model"])
+    optimizer2 = _optimizer("fused", resumed.parameters())
+    StepInBackward(optimizer2, page_bytes=WIDTH * WIDTH * 4)
+    optimizer2.load_state_dict(ckpt["optimizer"])
+    got = [_step_plain_or_in_backward(resumed, optimizer2, s) for s in range(3, 6)]
+    assert got == expected
+    for a, b in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)

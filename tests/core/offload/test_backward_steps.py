@@ -1,0 +1,128 @@
+"""``StepInBackward`` on the CPU: each page of weights steps as soon as backward has produced its
+gradients, its state kept in a host arena between steps.  The order of steps and the arithmetic are
+those of a GPU run (the GPU's own tests also check memory: test_optimizer_state_gpu.py); here: the
+result is bitwise that of one ``optimizer.step()`` after backward, with gradient checkpointing too,
+checkpoints resume bitwise, and what it cannot do is refused in one line."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from diffsynth_core.offload.backward_steps import StepInBackward
+
+WIDTH, DEPTH = 64, 6
+
+
+class Chain(nn.Module):
+    def __init__(self, checkpointed: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH))
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = checkpoint(layer, x, use_reentrant=False) if self.checkpointed else layer(x)
+            x = torch.tanh(x)
+        return x
+
+
+def _optimizer(kind: str, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9, weight_decay=1e-3)
+    return torch.optim.AdamW(params, lr=1e-3, fused=kind == "fused")
+
+
+def _train(model, optimizer, steps, scheduler=None) -> list[float]:
+    losses = []
+    for step in steps:
+        x = torch.randn(32, WIDTH, generator=torch.Generator().manual_seed(step))
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("kind", ["adamw", "fused", "sgd"])
+def test_steps_in_backward_are_bitwise_one_step_after_backward(kind, checkpointed):
+    runs = []
+    for in_backward in (False, True):
+        model = Chain(checkpointed)
+        optimizer = _optimizer(kind, model.parameters())
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))  # lr changes every step
+        pager = StepInBackward(optimizer, page_bytes=WIDTH * WIDTH * 4) if in_backward else None
+        losses = _train(model, optimizer, range(5), scheduler)
+        if pager is not None:
+            assert len(pager.pages) >= DEPTH  # a Linear's weight fills a page
+            assert pager.stats["pages_stepped"] == 5 * len(pager.pages)
+            assert pager.stats["h2d_bytes"] == 4 * sum(page.arena.nbytes for page in pager.pages)
+            assert all(p.grad is None for p in model.parameters())  # freed as each page stepped
+        runs.append((losses, [p.detach().clone() for p in model.parameters()]))
+    assert runs[0][0] == runs[1][0]
+    for expected, got in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(expected, got)
+
+
+def test_pages_step_in_the_order_backward_produces_the_gradients():
+    model = Chain(checkpointed=False)
+    optimizer = _optimizer("adamw", model.parameters())
+    pager = StepInBackward(optimizer, page_bytes=1)  # every weight its own page
+    _train(model, optimizer, range(2))
+    order = [id(page.params[0]) for page in pager.pages]
+    assert len(order) == 2 * DEPTH
+    assert order[0] in {id(p) for p in model.layers[-1].parameters()}  # the last layer's gradients come first
+    assert set(order[-2:]) == {id(p) for p in model.layers[0].parameters()}
+
+
+def test_a_checkpoint_resumes_bitwise():
+    model = Chain(checkpointed=True)
+    optimizer = _optimizer("adamw", model.parameters())
+    StepInBackward(optimizer, page_bytes=WIDTH * WIDTH * 4)
+    _train(model, optimizer, range(3))
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, saved)
+    expected = _train(model, optimizer, range(3, 6))
+
+    saved.seek(0)
+    ckpt = torch.load(saved, weights_only=True)
+    resumed = Chain(checkpointed=True)
+    resumed.load_state_dict(ckpt["model"])
+    optimizer2 = _optimizer("adamw", resumed.parameters())
+    StepInBackward(optimizer2, page_bytes=WIDTH * WIDTH * 4)
+    optimizer2.load_state_dict(ckpt["optimizer"])
+    assert _train(resumed, optimizer2, range(3, 6)) == expected
+    for a, b in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_gradient_accumulation_is_refused_in_one_line():
+    model = Chain(checkpointed=False)
+    optimizer = _optimizer("adamw", model.parameters())
+    StepInBackward(optimizer)
+    model(torch.randn(4, WIDTH)).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match="second gradient before optimizer.step"):
+        model(torch.randn(4, WIDTH)).pow(2).mean().backward()
+
+
+def test_a_weight_without_a_gradient_keeps_its_state_and_the_others_step():
+    model = Chain(checkpointed=False)
+    optimizer = _optimizer("adamw", model.parameters())
+    pager = StepInBackward(optimizer, page_bytes=WIDTH * WIDTH * 4)
+    _train(model, optimizer, range(2))
+    frozen, other = model.layers[2].weight, model.layers[3].weight
+    before, other_before = frozen.detach().clone(), other.detach().clone()
+    frozen.requires_grad_(False)  # this step it gets no gradient
+    _train(model, optimizer, range(2, 3))
+    assert torch.equal(frozen, before) and not torch.equal(other, other_before)
+    assert all(p.grad is None for p in model.parameters())
+    assert not pager.pending and all(not page.ready for page in pager.pages)
