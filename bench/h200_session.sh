@@ -12,6 +12,7 @@
 #                                                #  ROWS=none skips the stack rows)
 #   bench/h200_session.sh hoststate MUSUBI_FILE  # AdamW's moments in host memory: GPU tests, stack rows
 #                                                # (QWEN_ROWS=...: Qwen-Image rows after them)
+#   bench/h200_session.sh bwdstep MUSUBI_FILE    # steps during backward (StepInBackward): GPU tests, stack rows
 # Install the carried wheels with --no-deps (pip --target resolves dependencies only among the
 # wheels given, and the machine's own anyio etc. are not among them):
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
@@ -84,6 +85,14 @@ hoststate)  # offload.optimizer_state_on_host: GPU tests, stack rows (twice, and
     timeout "$(left)" python3 -m bench.offload --cases qwen20b --skip-resident --qwen-rows "$QWEN_ROWS" \
       --out "$OUT/offload_hoststate_h200.json" > "$OUT/offload_log.txt" 2>&1; tail -3 "$OUT/offload_log.txt"
   fi
+  ;;
+bwdstep)  # StepInBackward (steps during backward, state paged in): GPU tests, stack rows with and without musubi's
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/offload/test_optimizer_state_gpu.py \
+    > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
+  rows=${ROWS:-streamed_act,streamed_act_bwdstep,budget_12_of_24_act,budget_12_of_24_act_bwdstep}
+  timeout 200 python3 -m bench.side_by_side --musubi-file "$2" --rows "$rows" \
+    --out "$OUT/side_by_side_bwdstep_h200.json" > /dev/null
+  timeout 150 python3 -m bench.side_by_side --rows "$rows" --out "$OUT/side_by_side_bwdstep_b_h200.json" > /dev/null
   ;;
 e2e)
   timeout "$(left)" python3 -m bench.e2e_gpu --workdir /tmp/splitflow-e2e --out "$OUT/e2e_full_h200.json" \
