@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from .arena import HostArena, typed_view
-from .host_optimizer import _sub_optimizer
+from .host_optimizer import sub_optimizer
 from .units import align_up
 
 
@@ -124,7 +124,7 @@ class StepInBackward:
         page.groups = sorted({self.group_of[id(p)] for p in page.params})
         groups = [{**self.optimizer.param_groups[gi], "params": [p for p in page.params if self.group_of[id(p)] == gi]}
                   for gi in page.groups]
-        page.sub = _sub_optimizer(self.optimizer, groups)
+        page.sub = sub_optimizer(self.optimizer, groups)
         page.sub.state = self.optimizer.state  # the real weights: one state, one state_dict()
         page.ready = {id(p) for p in page.params}
         return page

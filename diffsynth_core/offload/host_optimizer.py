@@ -45,7 +45,7 @@ class _StateOfReal:
         return self.optimizer.state.get(self.real_of[id(stand_in)], default)
 
 
-def _sub_optimizer(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
+def sub_optimizer(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
     """An optimizer of ``optimizer``'s class over ``groups`` (stand-ins), without its hooks."""
     cls = type(optimizer)
     sub = cls.__new__(cls)
@@ -97,7 +97,7 @@ class HostStepper:
             used = sorted({group_of[id(real)] for real, _ in pairs})
             groups = [{**optimizer.param_groups[gi], "params": [s for s, (r, _) in zip(stand_ins, pairs)
                                                                if group_of[id(r)] == gi]} for gi in used]
-            sub = _sub_optimizer(optimizer, groups)
+            sub = sub_optimizer(optimizer, groups)
             sub.state = _StateOfReal(optimizer, {id(s): r for s, (r, _) in zip(stand_ins, pairs)})
             self.subs[unit] = (sub, stand_ins, used)
             self.reals[unit] = [real for real, _ in pairs]
