@@ -14,8 +14,8 @@ it); rows ending in ``_act`` also keep the checkpointed block inputs in host mem
 (``offload_activations``), rows ending in ``_hoststate`` also keep AdamW's moments there between
 steps (``offload.optimizer_state_on_host``: the step stays on the GPU), rows ending in ``_bwdstep``
 step each page of adapters during backward with its state paged in from the host
-(``StepInBackward``, library use: no clipping or accumulation); and musubi's offloader (``bench/musubi_harness.py``) with 24 and with
-12 blocks swapped.  Prints one JSON document: s/step (median), peak ``max_memory_allocated``,
+(``StepInBackward``, library use: no clipping or accumulation); and musubi's offloader
+(``bench/musubi_harness.py``) with 24 and with 12 blocks swapped.  Prints one JSON document: s/step (median), peak ``max_memory_allocated``,
 host->device bytes per step, and ratios to ``bound = max(resident s/step, bytes / pinned bandwidth)``.
 Without ``--musubi-file`` the musubi rows are skipped.  ``--size quick --device cpu`` checks the
 script on a machine without a GPU (our rows only).

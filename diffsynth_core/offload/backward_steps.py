@@ -77,7 +77,8 @@ class StepInBackward:
         self.stats = {"pages_stepped": 0, "h2d_bytes": 0, "d2h_bytes": 0, "late_copies_in": 0}
         self.handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self.handles += [optimizer.register_step_pre_hook(self._before_step),
-                         optimizer.register_state_dict_pre_hook(lambda opt: self.wait())]
+                         optimizer.register_state_dict_pre_hook(lambda opt: self.wait()),
+                         optimizer.register_load_state_dict_post_hook(self._after_load)]
 
     # --- backward ---------------------------------------------------------------------------------
     def _on_grad(self, p: nn.Parameter) -> None:
@@ -125,7 +126,7 @@ class StepInBackward:
         groups = [{**self.optimizer.param_groups[gi], "params": [p for p in page.params if self.group_of[id(p)] == gi]}
                   for gi in page.groups]
         page.sub = sub_optimizer(self.optimizer, groups)
-        page.sub.state = self.optimizer.state  # the real weights: one state, one state_dict()
+        page.sub.state = self.optimizer.state  # the real weights: one state, one state_dict() (set again at each step)
         page.ready = {id(p) for p in page.params}
         return page
 
@@ -133,6 +134,7 @@ class StepInBackward:
         self._page_in(page)
         if page.arrived is not None:
             torch.cuda.current_stream(self.device).wait_event(page.arrived)
+        page.sub.state = self.optimizer.state  # load_state_dict() replaces the user's state dict
         for sub_group, gi in zip(page.sub.param_groups, page.groups):  # e.g. the scheduler's latest lr
             sub_group.update({k: v for k, v in self.optimizer.param_groups[gi].items() if k != "params"})
         page.sub.step()
@@ -199,7 +201,19 @@ class StepInBackward:
         page.arena = HostArena(total)
         if self.cuda:
             page.arena.pin()
-        page.layout = [(p, key, off, typed_view(page.arena.buffer, off, v.dtype, v.shape)) for p, key, off, v in entries]
+        page.layout = [(p, key, off, typed_view(page.arena.buffer, off, v.dtype, v.shape))
+                       for p, key, off, v in entries]
+
+    def _after_load(self, optimizer) -> None:
+        """``load_state_dict`` replaced the state (on the weights' device): into the pages' homes, so
+        the next copy in brings the loaded values, not the ones from before."""
+        for page in self.pages:
+            page.on_device = None
+            if all(key in optimizer.state.get(p, {}) for p, key, _, _ in page.layout):
+                self._page_out(page)
+            else:  # the checkpoint holds other state for it: its next step lays it out again
+                page.arena, page.layout, page.copied_out = None, [], None
+        self.wait()
 
     # --- the rest -----------------------------------------------------------------------------------
     def _on(self, stream):

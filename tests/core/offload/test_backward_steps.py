@@ -105,6 +105,21 @@ def test_a_checkpoint_resumes_bitwise():
         assert torch.equal(a, b)
 
 
+def test_loading_a_checkpoint_into_a_running_pager_replaces_the_paged_state():
+    model = Chain(checkpointed=True)
+    optimizer = _optimizer("adamw", model.parameters())
+    StepInBackward(optimizer, page_bytes=WIDTH * WIDTH * 4)
+    _train(model, optimizer, range(3))
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, saved)
+    expected = _train(model, optimizer, range(3, 6))
+    saved.seek(0)
+    ckpt = torch.load(saved, weights_only=True)
+    model.load_state_dict(ckpt["model"])  # back to step 3, in the same process: the pages exist already
+    optimizer.load_state_dict(ckpt["optimizer"])
+    assert _train(model, optimizer, range(3, 6)) == expected
+
+
 def test_gradient_accumulation_is_refused_in_one_line():
     model = Chain(checkpointed=False)
     optimizer = _optimizer("adamw", model.parameters())
