@@ -84,7 +84,9 @@ def test_pages_step_in_the_order_backward_produces_the_gradients():
     assert set(order[-2:]) == {id(p) for p in model.layers[0].parameters()}
 
 
-def test_a_checkpoint_resumes_bitwise():
+def _paged_run_with_checkpoint_at_3():
+    """A paged run: its model and optimizer after step 6, the checkpoint it took at step 3, and the
+    losses of steps 4-6."""
     model = Chain(checkpointed=True)
     optimizer = _optimizer("adamw", model.parameters())
     StepInBackward(optimizer, page_bytes=WIDTH * WIDTH * 4)
@@ -92,29 +94,24 @@ def test_a_checkpoint_resumes_bitwise():
     saved = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, saved)
     expected = _train(model, optimizer, range(3, 6))
-
     saved.seek(0)
-    ckpt = torch.load(saved, weights_only=True)
+    return model, optimizer, torch.load(saved, weights_only=True), expected
+
+
+def test_a_checkpoint_resumes_bitwise():
+    model, _, ckpt, expected = _paged_run_with_checkpoint_at_3()
     resumed = Chain(checkpointed=True)
     resumed.load_state_dict(ckpt["model"])
-    optimizer2 = _optimizer("adamw", resumed.parameters())
-    StepInBackward(optimizer2, page_bytes=WIDTH * WIDTH * 4)
-    optimizer2.load_state_dict(ckpt["optimizer"])
-    assert _train(resumed, optimizer2, range(3, 6)) == expected
+    optimizer = _optimizer("adamw", resumed.parameters())
+    StepInBackward(optimizer, page_bytes=WIDTH * WIDTH * 4)
+    optimizer.load_state_dict(ckpt["optimizer"])
+    assert _train(resumed, optimizer, range(3, 6)) == expected
     for a, b in zip(model.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
 
 
 def test_loading_a_checkpoint_into_a_running_pager_replaces_the_paged_state():
-    model = Chain(checkpointed=True)
-    optimizer = _optimizer("adamw", model.parameters())
-    StepInBackward(optimizer, page_bytes=WIDTH * WIDTH * 4)
-    _train(model, optimizer, range(3))
-    saved = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, saved)
-    expected = _train(model, optimizer, range(3, 6))
-    saved.seek(0)
-    ckpt = torch.load(saved, weights_only=True)
+    model, optimizer, ckpt, expected = _paged_run_with_checkpoint_at_3()
     model.load_state_dict(ckpt["model"])  # back to step 3, in the same process: the pages exist already
     optimizer.load_state_dict(ckpt["optimizer"])
     assert _train(model, optimizer, range(3, 6)) == expected
