@@ -173,6 +173,7 @@ class BudgetTracker:
         self.margin = margin_bytes(budget) if self.memory.cuda else 0
         self.start_allocated: int | None = None
         self.first_peak: int | None = None
+        self.first_step_peak: int | None = None  # the peak up to the end of the first optimizer.step()
         self.peak = 0  # highest allocated bytes seen at the end of a step (CUDA)
         self.planned_peak: int | None = None
         self.over_budget_steps = 0
@@ -193,13 +194,22 @@ class BudgetTracker:
         elif peak > self.budget:
             self.over_budget_steps += 1
 
+    def optimizer_stepped(self) -> None:
+        """Called after each ``optimizer.step()``: the first one's peak is part of what a step needs
+        (read then, before anything else between steps, e.g. a validation render, can raise it)."""
+        if self.first_step_peak is None and self.first_peak is not None:
+            self.first_step_peak = self.memory.peak()
+
     def room(self) -> int:
         """Device bytes left for resident units; raises when the step alone does not fit."""
         if self.first_peak is None:  # no statistics: only what the engine placed is known
             overhead = self.fixed
             what = "the slots and the weights outside the streamed blocks"
-        else:  # the step's peak + what stayed allocated since it began (optimizer state, ...)
-            overhead = self.first_peak + max(0, self.memory.allocated() - self.start_allocated)
+        else:  # the step's peak + what stayed allocated since it began (optimizer state, ...), or the
+            # peak of the first optimizer step if higher: state that waits on the host between steps
+            # (HostOptimizerState) is back on the device, beside every gradient, while it steps
+            overhead = max(self.first_peak + max(0, self.memory.allocated() - self.start_allocated),
+                           self.first_step_peak or 0)
             what = "one training step with every block streamed"
         room = self.budget - overhead - self.margin
         if room < 0:

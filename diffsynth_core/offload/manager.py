@@ -322,6 +322,13 @@ class OffloadTrainingManager:
         self._optimizer_hooks.append(optimizer.register_load_state_dict_pre_hook(
             lambda opt, state: self.stepper.join()))
 
+    def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Under ``vram_budget_gb``, plan room for the first ``optimizer.step()``'s peak as well (it
+        matters when the optimizer's state waits on the host between steps and comes back to step)."""
+        if self.budget is not None:
+            self._optimizer_hooks.append(optimizer.register_step_post_hook(
+                lambda opt, args, kwargs: self.budget.optimizer_stepped()))
+
     def _queue_host_steps(self, optimizer, args, kwargs) -> None:
         for unit, reals in self.stepper.reals.items():
             grads = {id(p): p.grad for p in reals if p.grad is not None}

@@ -157,6 +157,8 @@ def prepare_for_training(model: nn.Module, spec: FamilySpec, train, offload, dev
         # gradient before any weight moves.  Not with an EMA: it reads the weights right after
         # optimizer.step(), before queued host steps ran.
         manager.bind_optimizer(optimizer)
+    if manager is not None:
+        manager.watch_optimizer(optimizer)  # a budget's plan covers the optimizer step's peak too
     host_state = None
     if getattr(offload, "optimizer_state_on_host", False) and device.type == "cuda":
         from ..offload.optimizer_state import HostOptimizerState

@@ -115,3 +115,45 @@ def test_fp8_units_kept_as_stored_train_bitwise_like_streamed_ones_and_copy_less
     (la, ga), (lb, gb) = runs
     assert all(torch.equal(a, b) for a, b in zip(la, lb))
     assert all(torch.equal(a, b) for sa, sb in zip(ga, gb) for a, b in zip(sa, sb))
+
+
+class _ReadMemory:
+    """What the tracker reads from ``torch.cuda`` (no GPU here): allocated and peak bytes as set."""
+
+    cuda = True
+
+    def __init__(self):
+        self.now = self.top = 0
+
+    def allocated(self):
+        return self.now
+
+    def peak(self):
+        return self.top
+
+    def reset_peak(self):
+        self.top = self.now
+
+    def step_to(self, high: int, then: int) -> None:
+        self.top, self.now = max(self.top, high), then
+
+
+@pytest.mark.parametrize("step_peak, left_after, overhead", [
+    (7, 6, 10 + 4),  # the optimizer's 4 GiB of state stay on the device: the backward's peak + them
+    (7, 2, 10),      # the state waits on the host between steps, and the backward's peak is higher
+    (12, 2, 12),     # ... a larger state: its step, beside every gradient, is the peak
+], ids=["state-stays", "state-leaves", "state-leaves-large"])
+def test_the_plan_leaves_room_for_the_first_optimizer_step_too(step_peak, left_after, overhead):
+    from diffsynth_core.offload.budget import GIB, BudgetTracker
+
+    budget = 20 * GIB
+    tracker = BudgetTracker(budget, torch.device("cpu"), fixed=GIB)  # margin 0: exact arithmetic
+    tracker.memory = memory = _ReadMemory()
+    memory.now = 2 * GIB
+    tracker.begin_first_step()
+    memory.step_to(10 * GIB, 3 * GIB)  # forward + backward peak at 10 GiB; gradients left after it
+    tracker.end_step(first=True)
+    memory.step_to(step_peak * GIB, left_after * GIB)  # the first optimizer.step()
+    tracker.optimizer_stepped()
+    memory.step_to(19 * GIB, left_after * GIB)  # between steps (a validation render): not the step's
+    assert tracker.room() == budget - overhead * GIB
