@@ -224,3 +224,48 @@ def test_a_second_backward_before_the_step_is_refused():
     model(_batch(0)).float().pow(2).mean().backward()
     with pytest.raises(RuntimeError, match="second gradient before optimizer.step"):
         model(_batch(1)).float().pow(2).mean().backward()
+
+
+@pytest.mark.parametrize("watched", [True, False], ids=["watched", "unwatched"])
+def test_a_budget_leaves_room_for_the_step_when_the_state_comes_back_for_it(watched):
+    """LoRA r512 on a streamed stack of 134 MB blocks: the adapters' AdamW state (1.2 GB, 2x the
+    adapters) is far larger than the backward's activations, so with the state on the host the
+    optimizer step is the peak.  ``watch_optimizer`` (as the Trainer registers it) lets the plan see
+    it; without it the plan keeps every block and the step overruns the budget (by more than the
+    planner's 256 MiB + 2 % margin)."""
+    from diffsynth_core.gradient import apply_gradient_checkpointing
+    from diffsynth_core.offload import OffloadTrainingManager
+    from offload_tiny import ToyStack, add_lora
+
+    def run(budget):
+        torch.manual_seed(0)
+        model = add_lora(ToyStack(d=4096, n=12).to(torch.bfloat16), ["up", "down"], rank=512)
+        model.offset = model.offset.to(CUDA, torch.bfloat16)
+        apply_gradient_checkpointing(model, ("blocks",))
+        unit = sum(p.numel() * 2 for p in model.blocks[0].parameters() if not p.requires_grad)  # bf16 bytes
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        mgr = OffloadTrainingManager(model, CUDA, vram_budget_gb=(budget or 0) / 2**30,
+                                     trainable_dtype=torch.float32)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, fused=True)
+        if watched:
+            mgr.watch_optimizer(opt)
+        HostOptimizerState(opt)
+        x = torch.randn(256, 4096, device=CUDA, dtype=torch.bfloat16)
+        for _ in range(4):
+            model(x).float().pow(2).mean().backward()
+            mgr.after_backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        resident = mgr.report()["budget_units"]
+        mgr.detach()
+        return torch.cuda.max_memory_allocated(), unit, resident
+
+    streamed_peak, unit, _ = run(None)  # every block streamed; the peak includes the optimizer step
+    budget = (streamed_peak + 4.5 * unit + 2**28) * 50 / 49  # room for four blocks (+ budget.margin_bytes)
+    peak, _, resident = run(budget)
+    if watched:
+        assert resident >= 3 and peak <= budget
+    else:  # the plan saw only forward and backward, and kept blocks the step then had no room for
+        assert resident > 4 and peak > budget
