@@ -264,8 +264,10 @@ def test_a_budget_leaves_room_for_the_step_when_the_state_comes_back_for_it(watc
 
     streamed_peak, unit, _ = run(None)  # every block streamed; the peak includes the optimizer step
     budget = (streamed_peak + 4.5 * unit + 2**28) * 50 / 49  # room for four blocks (+ budget.margin_bytes)
-    peak, _, resident = run(budget)
     if watched:
+        peak, _, resident = run(budget)
         assert resident >= 3 and peak <= budget
     else:  # the plan saw only forward and backward, and kept blocks the step then had no room for
+        with pytest.warns(RuntimeWarning, match="over offload.vram_budget_gb"):
+            peak, _, resident = run(budget)
         assert resident > 4 and peak > budget
