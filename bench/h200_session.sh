@@ -74,25 +74,18 @@ narrow)  # LoRA adapters saving their bf16 input (training/adapter_inputs.py), b
     --qwen-rows "${QWEN_ROWS:-resident_compiled,budget_24gb_act_compiled}" \
     --out "$OUT/offload_narrow_h200.json" > "$OUT/offload_log.txt" 2>&1; tail -3 "$OUT/offload_log.txt"
   ;;
-hoststate)  # offload.optimizer_state_on_host: GPU tests, stack rows (twice, and musubi's), Qwen-Image 24 GB rows
+hoststate|bwdstep)  # the optimizer state off the GPU: offload.optimizer_state_on_host (hoststate) or
+  # StepInBackward (bwdstep): GPU tests, stack rows with and without musubi's (hoststate: QWEN_ROWS after them)
   timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/offload/test_optimizer_state_gpu.py \
     > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
-  rows=${ROWS:-streamed_act,streamed_act_hoststate,budget_12_of_24_act,budget_12_of_24_act_hoststate}
+  rows=${ROWS:-streamed_act,streamed_act_$1,budget_12_of_24_act,budget_12_of_24_act_$1}
   timeout 200 python3 -m bench.side_by_side --musubi-file "$2" --rows "$rows" \
-    --out "$OUT/side_by_side_hoststate_h200.json" > /dev/null
-  timeout 150 python3 -m bench.side_by_side --rows "$rows" --out "$OUT/side_by_side_hoststate_b_h200.json" > /dev/null
-  if [ -n "${QWEN_ROWS:-}" ]; then
+    --out "$OUT/side_by_side_$1_h200.json" > /dev/null
+  timeout 150 python3 -m bench.side_by_side --rows "$rows" --out "$OUT/side_by_side_$1_b_h200.json" > /dev/null
+  if [ "$1" = hoststate ] && [ -n "${QWEN_ROWS:-}" ]; then
     timeout "$(left)" python3 -m bench.offload --cases qwen20b --skip-resident --qwen-rows "$QWEN_ROWS" \
       --out "$OUT/offload_hoststate_h200.json" > "$OUT/offload_log.txt" 2>&1; tail -3 "$OUT/offload_log.txt"
   fi
-  ;;
-bwdstep)  # StepInBackward (steps during backward, state paged in): GPU tests, stack rows with and without musubi's
-  timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/offload/test_optimizer_state_gpu.py \
-    > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
-  rows=${ROWS:-streamed_act,streamed_act_bwdstep,budget_12_of_24_act,budget_12_of_24_act_bwdstep}
-  timeout 200 python3 -m bench.side_by_side --musubi-file "$2" --rows "$rows" \
-    --out "$OUT/side_by_side_bwdstep_h200.json" > /dev/null
-  timeout 150 python3 -m bench.side_by_side --rows "$rows" --out "$OUT/side_by_side_bwdstep_b_h200.json" > /dev/null
   ;;
 e2e)
   timeout "$(left)" python3 -m bench.e2e_gpu --workdir /tmp/splitflow-e2e --out "$OUT/e2e_full_h200.json" \

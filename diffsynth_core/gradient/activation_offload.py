@@ -34,7 +34,7 @@ import weakref
 
 import torch
 
-from ..offload.arena import HostArena, typed_view
+from ..offload.arena import HostArena, release_all, typed_view
 
 # Smaller tensors (scalars, modulation vectors) are not worth a copy and an event each.
 MIN_BYTES = 1 << 20
@@ -56,7 +56,7 @@ class HostBuffers:
         self.all: list[HostArena] = []  # every buffer made, to unpin at the end
         self.idle_bytes = self.live_bytes = self.most_live_bytes = 0
         self.allocations = 0
-        weakref.finalize(self, HostBuffers._unpin, self.all)
+        weakref.finalize(self, release_all, self.all)
 
     def take(self, nbytes: int) -> tuple[HostArena, list]:
         kept = self.idle.get(nbytes)
@@ -84,13 +84,6 @@ class HostBuffers:
     def _drop(self, buffer: HostArena) -> None:
         buffer.release()
         self.all.remove(buffer)
-
-    @staticmethod
-    def _unpin(buffers: list[HostArena]) -> None:
-        if any(b.pinned for b in buffers):
-            torch.cuda.synchronize()  # no queued copy may still read or write them
-        for buffer in buffers:
-            buffer.release()
 
 
 class _Saved:

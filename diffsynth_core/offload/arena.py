@@ -20,6 +20,8 @@ import warnings
 
 import torch
 
+from .units import align_up
+
 _warned_pageable = False
 
 
@@ -69,3 +71,24 @@ def typed_view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.
     """A tensor of ``dtype``/``shape`` over ``buf`` (uint8) starting at byte ``offset``."""
     n = shape.numel() * dtype.itemsize
     return buf.narrow(0, offset, n).view(dtype).view(shape)
+
+
+def host_copies(tensors, pin: bool) -> tuple[HostArena, list[tuple[int, torch.Tensor]]]:
+    """One arena with room for a copy of each of ``tensors`` (64-byte aligned), page-locked when
+    ``pin``; per tensor, its offset and a host view of its dtype and shape (not filled)."""
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total = align_up(total + t.numel() * t.element_size())
+    arena = HostArena(total)
+    if pin:
+        arena.pin()
+    return arena, [(off, typed_view(arena.buffer, off, t.dtype, t.shape)) for t, off in zip(tensors, offsets)]
+
+
+def release_all(arenas: list[HostArena]) -> None:
+    """Unpin and drop ``arenas`` once no queued copy can touch them (their owners' finalizers)."""
+    if any(a.pinned for a in arenas):
+        torch.cuda.synchronize()
+    for arena in arenas:
+        arena.release()  # tensors still viewing one keep its (now pageable) memory

@@ -27,14 +27,14 @@ averaging between ranks).  The Trainer therefore does not use it; its
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+import weakref
 
 import torch
 from torch import nn
 
-from .arena import HostArena, typed_view
+from .arena import HostArena, release_all
 from .host_optimizer import sub_optimizer
-from .units import align_up
+from .optimizer_state import StatePage, moves_to_host
 
 
 class _Page:
@@ -44,11 +44,7 @@ class _Page:
         self.index, self.params = index, params
         self.sub: torch.optim.Optimizer | None = None
         self.groups: list[int] = []  # the user's group of each of sub's groups
-        self.arena: HostArena | None = None
-        self.layout: list[tuple[nn.Parameter, str, int, torch.Tensor]] = []  # param, key, offset, host view
-        self.on_device: torch.Tensor | None = None  # the state's device copy while paged in
-        self.arrived: torch.cuda.Event | None = None  # its copy in
-        self.copied_out: torch.cuda.Event | None = None  # its last copy out
+        self.state: StatePage | None = None  # where its optimizer state lives between steps (after its first)
         self.ready: set[int] = set()  # ids of the weights whose gradient arrived in this backward
 
 
@@ -70,6 +66,7 @@ class StepInBackward:
         self.pages: list[_Page] = []
         self.page_of: dict[int, _Page] = {}
         self.pending: list[nn.Parameter] = []  # first step: weights with a gradient, not yet in a page
+        self.pending_bytes = 0
         self.stepped: set[int] = set()  # weights stepped since the last optimizer.step()
         self.callback_queued = False
         self.h2d = torch.cuda.Stream(self.device) if self.cuda else None
@@ -79,6 +76,8 @@ class StepInBackward:
         self.handles += [optimizer.register_step_pre_hook(self._before_step),
                          optimizer.register_state_dict_pre_hook(lambda opt: self.wait()),
                          optimizer.register_load_state_dict_post_hook(self._after_load)]
+        self._arenas: list[HostArena] = []  # every page's, for the finalizer to unpin
+        weakref.finalize(self, release_all, self._arenas)
 
     # --- backward ---------------------------------------------------------------------------------
     def _on_grad(self, p: nn.Parameter) -> None:
@@ -92,7 +91,8 @@ class StepInBackward:
         page = self.page_of.get(id(p))
         if page is None:  # first step (or a weight that had no gradient then): pages form as they come
             self.pending.append(p)
-            if sum(q.nbytes for q in self.pending) >= self.page_bytes:
+            self.pending_bytes += p.nbytes
+            if self.pending_bytes >= self.page_bytes:
                 self._step(self._new_page())
             return
         if not page.ready:
@@ -109,7 +109,7 @@ class StepInBackward:
         for page in self.pages:
             if page.ready:  # some of its weights got no gradient this time
                 self._step(page)
-            elif page.on_device is not None:  # prefetched, but none of its weights got one
+            elif page.state is not None and page.state.on_device is not None:  # prefetched, and none got one
                 self._page_out(page)
 
     def _before_step(self, optimizer, args, kwargs) -> None:
@@ -118,7 +118,7 @@ class StepInBackward:
     # --- a page's step ------------------------------------------------------------------------------
     def _new_page(self) -> _Page:
         page = _Page(len(self.pages), self.pending)
-        self.pending = []
+        self.pending, self.pending_bytes = [], 0
         self.pages.append(page)
         for p in page.params:
             self.page_of[id(p)] = page
@@ -132,8 +132,8 @@ class StepInBackward:
 
     def _step(self, page: _Page) -> None:
         self._page_in(page)
-        if page.arrived is not None:
-            torch.cuda.current_stream(self.device).wait_event(page.arrived)
+        if page.state is not None and page.state.arrived is not None:
+            torch.cuda.current_stream(self.device).wait_event(page.state.arrived)
         page.sub.state = self.optimizer.state  # load_state_dict() replaces the user's state dict
         for sub_group, gi in zip(page.sub.param_groups, page.groups):  # e.g. the scheduler's latest lr
             sub_group.update({k: v for k, v in self.optimizer.param_groups[gi].items() if k != "params"})
@@ -147,78 +147,37 @@ class StepInBackward:
         self.stats["pages_stepped"] += 1
 
     def _page_in(self, page: _Page) -> None:
-        if page.on_device is not None or page.arena is None:
-            return  # paged in already, or it has no state yet (its first step creates it)
+        """Its state onto the device on the copy-in stream (nothing before its first step made any)."""
+        if page.state is None or page.state.on_device is not None:
+            return
         if page.ready:  # its gradients are arriving and it was not prefetched
             self.stats["late_copies_in"] += 1
-        on_device = torch.empty(page.arena.nbytes, dtype=torch.uint8, device=self.device)
-        if self.cuda:
-            self.h2d.wait_stream(torch.cuda.current_stream(self.device))  # its memory may be in use until here
-            if page.copied_out is not None:
-                self.h2d.wait_event(page.copied_out)
-        with self._on(self.h2d):
-            on_device.copy_(page.arena.buffer[:page.arena.nbytes], non_blocking=True)
-            if self.cuda:
-                page.arrived = self.h2d.record_event()
-                on_device.record_stream(self.h2d)
-        for p, key, offset, home in page.layout:
-            self.optimizer.state[p][key] = typed_view(on_device, offset, home.dtype, home.shape)
-        page.on_device = on_device
-        self.stats["h2d_bytes"] += page.arena.nbytes
+        self.stats["h2d_bytes"] += page.state.copy_in(self.h2d)
 
     def _page_out(self, page: _Page) -> None:
-        if page.arena is None:
-            self._make_home(page)
-        if self.cuda:
-            self.d2h.wait_stream(torch.cuda.current_stream(self.device))  # after the step wrote the state
-        with self._on(self.d2h):
-            base = page.on_device.data_ptr() if page.on_device is not None else None
-            if base is not None and all(self.optimizer.state[p][k].data_ptr() == base + off
-                                        for p, k, off, _ in page.layout):
-                page.arena.buffer[:page.arena.nbytes].copy_(page.on_device, non_blocking=True)
-                written = [page.on_device]
-            else:  # state the optimizer just made (or replaced): tensor by tensor
-                written = [self.optimizer.state[p][key] for p, key, _, _ in page.layout]
-                for (_, _, _, home), value in zip(page.layout, written):
-                    home.copy_(value, non_blocking=True)
-            if self.cuda:
-                for tensor in written:
-                    tensor.record_stream(self.d2h)  # its memory is reused only once the copy has read it
-                page.copied_out = self.d2h.record_event()
-        for p, key, _, home in page.layout:
-            self.optimizer.state[p][key] = home
-        page.on_device = None
-        self.stats["d2h_bytes"] += page.arena.nbytes
-
-    def _make_home(self, page: _Page) -> None:
-        """The page's state tensors (not scalars such as AdamW's ``step``), laid out in one pinned arena."""
-        entries, total = [], 0
-        for p in page.params:
-            for key, value in self.optimizer.state.get(p, {}).items():
-                if isinstance(value, torch.Tensor) and value.device == self.device and value.numel() > 1:
-                    entries.append((p, key, total, value))
-                    total = align_up(total + value.nbytes)
-        page.arena = HostArena(total)
-        if self.cuda:
-            page.arena.pin()
-        page.layout = [(p, key, off, typed_view(page.arena.buffer, off, v.dtype, v.shape))
-                       for p, key, off, v in entries]
+        if page.state is None:  # its first step made the state: lay it out in an arena of its own
+            entries = [(p, key, value) for p in page.params for key, value in self.optimizer.state.get(p, {}).items()
+                       if moves_to_host(key, value, p)]
+            if not entries:
+                return
+            page.state = StatePage(self.optimizer, entries)
+            self._arenas.append(page.state.arena)
+        self.stats["d2h_bytes"] += page.state.copy_out(self.d2h)
 
     def _after_load(self, optimizer) -> None:
         """``load_state_dict`` replaced the state (on the weights' device): into the pages' homes, so
         the next copy in brings the loaded values, not the ones from before."""
         for page in self.pages:
-            page.on_device = None
-            if all(key in optimizer.state.get(p, {}) for p, key, _, _ in page.layout):
+            if page.state is None:
+                continue
+            page.state.on_device = None
+            if all(key in optimizer.state.get(p, {}) for p, key, _, _ in page.state.layout):
                 self._page_out(page)
             else:  # the checkpoint holds other state for it: its next step lays it out again
-                page.arena, page.layout, page.copied_out = None, [], None
+                page.state = None
         self.wait()
 
     # --- the rest -----------------------------------------------------------------------------------
-    def _on(self, stream):
-        return torch.cuda.stream(stream) if self.cuda else nullcontext()
-
     def wait(self) -> None:
         """Block until every page's copy out has landed (before the host reads the state)."""
         if self.cuda:

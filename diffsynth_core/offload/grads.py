@@ -21,8 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .arena import HostArena, typed_view
-from .units import align_up
+from .arena import host_copies
 
 
 def blocking_event(stream) -> torch.cuda.Event:
@@ -38,14 +37,8 @@ class HostGradSink:
         self.device = device
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        offsets, total = [], 0
-        for p in params:
-            offsets.append(total)
-            total = align_up(total + p.numel() * p.element_size())
-        self.arena = HostArena(total)
-        if pin:
-            self.arena.pin()
-        self.acc = {id(p): typed_view(self.arena.buffer, off, p.dtype, p.shape) for p, off in zip(params, offsets)}
+        self.arena, views = host_copies(params, pin)
+        self.acc = {id(p): view for p, (_, view) in zip(params, views)}
         self.staging: dict[int, torch.Tensor] = {}  # only for accumulation across micro-steps
         self.hidden: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}  # host grads set aside while on device
         self.pending: dict[int, tuple[nn.Parameter, object, bool]] = {}

@@ -118,3 +118,45 @@ def train(model, steps, loss_fn, mgr=None, accumulate=1, lr=1e-2, fused=None):
         opt.step()
         opt.zero_grad(set_to_none=True)
     return losses, grads
+
+
+# --- a plain chain of Linears, for the optimizer-state tests (HostOptimizerState, StepInBackward) ---
+CHAIN_WIDTH, CHAIN_DEPTH = 64, 6
+
+
+class Chain(nn.Module):
+    def __init__(self, checkpointed: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(CHAIN_WIDTH, CHAIN_WIDTH) for _ in range(CHAIN_DEPTH))
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        for layer in self.layers:
+            x = checkpoint(layer, x, use_reentrant=False) if self.checkpointed else layer(x)
+            x = torch.tanh(x)
+        return x
+
+
+def chain_optimizer(kind: str, params) -> torch.optim.Optimizer:
+    """``adamw``, ``fused`` (torch's fused AdamW) or ``sgd`` (with momentum and weight decay)."""
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9, weight_decay=1e-3)
+    return torch.optim.AdamW(params, lr=1e-3, fused=kind == "fused")
+
+
+def train_chain(model, optimizer, steps, scheduler=None) -> list[float]:
+    """One plain step (backward, ``optimizer.step()``) per item of ``steps``, each on its own batch."""
+    losses = []
+    for step in steps:
+        x = torch.randn(32, CHAIN_WIDTH, generator=torch.Generator().manual_seed(step))
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(loss.item())
+    return losses

@@ -10,46 +10,11 @@ import io
 
 import pytest
 import torch
-from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from diffsynth_core.offload.backward_steps import StepInBackward
 
-WIDTH, DEPTH = 64, 6
-
-
-class Chain(nn.Module):
-    def __init__(self, checkpointed: bool):
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH))
-        self.checkpointed = checkpointed
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = checkpoint(layer, x, use_reentrant=False) if self.checkpointed else layer(x)
-            x = torch.tanh(x)
-        return x
-
-
-def _optimizer(kind: str, params):
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=1e-2, momentum=0.9, weight_decay=1e-3)
-    return torch.optim.AdamW(params, lr=1e-3, fused=kind == "fused")
-
-
-def _train(model, optimizer, steps, scheduler=None) -> list[float]:
-    losses = []
-    for step in steps:
-        x = torch.randn(32, WIDTH, generator=torch.Generator().manual_seed(step))
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if scheduler is not None:
-            scheduler.step()
-        losses.append(loss.item())
-    return losses
+from offload_tiny import CHAIN_DEPTH as DEPTH, CHAIN_WIDTH as WIDTH, Chain
+from offload_tiny import chain_optimizer as _optimizer, train_chain as _train
 
 
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
@@ -65,7 +30,7 @@ def test_steps_in_backward_are_bitwise_one_step_after_backward(kind, checkpointe
         if pager is not None:
             assert len(pager.pages) >= DEPTH  # a Linear's weight fills a page
             assert pager.stats["pages_stepped"] == 5 * len(pager.pages)
-            assert pager.stats["h2d_bytes"] == 4 * sum(page.arena.nbytes for page in pager.pages)
+            assert pager.stats["h2d_bytes"] == 4 * sum(page.state.arena.nbytes for page in pager.pages)
             assert all(p.grad is None for p in model.parameters())  # freed as each page stepped
         runs.append((losses, [p.detach().clone() for p in model.parameters()]))
     assert runs[0][0] == runs[1][0]

@@ -70,23 +70,30 @@ def test_state_on_host_steps_bitwise_like_state_on_the_gpu(kind):
         assert torch.equal(expected, got)
 
 
+def _third_step_peak(attach=None, depth: int = DEPTH, with_the_step: bool = True) -> tuple[int, int, int]:
+    """GPU peak of a third step's forward and backward (and optimizer step, ``with_the_step``), with
+    the optimizer ``attach`` -ed to; and the optimizer state's and the weights' bytes."""
+    model = _model(depth)
+    optimizer = _optimizer("fused", model.parameters())
+    if attach is not None:
+        attach(optimizer)
+    for s in range(2):
+        _step(model, optimizer, s)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    if with_the_step:
+        _step(model, optimizer, 9)
+    else:
+        model(_batch(9)).float().pow(2).mean().backward()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated(), sum(t.nbytes for t in _state_tensors(optimizer)),
+            sum(p.nbytes for p in model.parameters()))
+
+
 def test_state_on_host_lowers_the_forward_and_backward_peak_by_its_bytes():
-    peaks = []
-    for on_host in (False, True):
-        model = _model()
-        optimizer = _optimizer("fused", model.parameters())
-        keeper = HostOptimizerState(optimizer) if on_host else None
-        for s in range(2):
-            _step(model, optimizer, s)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        loss = model(_batch(9)).float().pow(2).mean()
-        loss.backward()
-        torch.cuda.synchronize()
-        peaks.append(torch.cuda.max_memory_allocated())
-        state_bytes = sum(t.nbytes for t in _state_tensors(optimizer))
-        del model, optimizer, keeper, loss
-    assert peaks[0] - peaks[1] >= 0.95 * state_bytes  # the moments are two weights' worth of fp32
+    plain, _, _ = _third_step_peak(with_the_step=False)
+    on_host, state_bytes, _ = _third_step_peak(HostOptimizerState, with_the_step=False)
+    assert plain - on_host >= 0.95 * state_bytes  # the moments are two weights' worth of fp32
 
 
 def _page_in_backward(optimizer):
@@ -194,25 +201,11 @@ def test_steps_in_backward_are_bitwise_the_step_after_backward(kind):
 
 
 def test_steps_in_backward_keep_state_and_gradients_off_the_backward_peak():
-    from diffsynth_core.offload.backward_steps import StepInBackward
-
-    peaks = []
-    for in_backward in (False, True):
-        model = _model(depth=24)
-        optimizer = _optimizer("fused", model.parameters())
-        pager = StepInBackward(optimizer, page_bytes=WIDTH * WIDTH * 4) if in_backward else None
-        for s in range(2):
-            _step(model, optimizer, s)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        _step(model, optimizer, 9)
-        torch.cuda.synchronize()
-        peaks.append(torch.cuda.max_memory_allocated())
-        weights = sum(p.nbytes for p in model.parameters())
-        del model, optimizer, pager
+    plain, _, weights = _third_step_peak(depth=24)
+    paged, _, _ = _third_step_peak(_page_in_backward, depth=24)
     # plain: both moments (2x the weights) and, at the step, every gradient (1x); paged: the state and
     # gradients of the few pages in flight (about 3 of 24 weights' worth)
-    assert peaks[0] - peaks[1] >= 2 * weights
+    assert plain - paged >= 2 * weights
 
 
 def test_a_second_backward_before_the_step_is_refused():
