@@ -50,7 +50,9 @@ def sub_optimizer(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch
     cls = type(optimizer)
     sub = cls.__new__(cls)
     for key, value in optimizer.__dict__.items():  # settings a subclass __init__ stores (fused, ...)
-        if key not in ("state", "param_groups", "defaults") and "hook" not in key:
+        # not callables: an LR scheduler replaces ``optimizer.step`` with a wrapper bound to
+        # ``optimizer`` itself, which would step all of its weights in place of the sub's
+        if key not in ("state", "param_groups", "defaults") and "hook" not in key and not callable(value):
             sub.__dict__[key] = value
     torch.optim.Optimizer.__init__(sub, groups, optimizer.defaults)
     return sub
