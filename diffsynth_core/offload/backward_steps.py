@@ -19,10 +19,13 @@ So neither the optimizer state nor more than a page or two of gradients is ever 
 backward's peak.  Element-wise optimizers (Adam, AdamW, SGD, ...) update each weight from its own
 gradient and state, so the result is bitwise that of one ``step()`` after backward.  What it
 requires, like ``bind_optimizer(overlap_backward=True)``: one backward per ``optimizer.step()``
-(no gradient accumulation: a second backward raises), no gradient clipping, no skipping a step
-over a non-finite gradient (weights have moved before backward ends), one process (no gradient
-averaging between ranks).  The Trainer therefore does not use it; its
-``offload.optimizer_state_on_host`` is ``HostOptimizerState``.
+(no gradient accumulation: a second backward raises), no gradient clipping, one process (no
+gradient averaging between ranks).  A step cannot be skipped as a whole over a non-finite gradient
+(weights have moved before backward ends); with ``skip_nonfinite`` each *page* skips instead: its
+fused optimizer reads a flag on the device (the ``found_inf`` that ``GradScaler`` uses), set when the
+page's gradients or the loss given to :meth:`watch_loss` hold NaN/Inf, so no weight or state turns
+non-finite and nothing waits for the host.  The Trainer uses it that way under
+``offload.optimizer_step_in_backward`` (the config refuses clipping and accumulation with it).
 """
 
 from __future__ import annotations
@@ -52,13 +55,21 @@ class StepInBackward:
     """Steps ``optimizer`` page by page during backward; see the module docstring.
     ``stats``: pages stepped, bytes of state copied each way, copies in that were not prefetched."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, page_bytes: int = 8 * 2**20, ahead: int = 2):
+    def __init__(self, optimizer: torch.optim.Optimizer, page_bytes: int = 8 * 2**20, ahead: int = 2,
+                 skip_nonfinite: bool = False):
         self.optimizer, self.page_bytes, self.ahead = optimizer, page_bytes, ahead
         self.params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         devices = {p.device for p in self.params}
         if len(devices) != 1:
             raise ValueError(f"StepInBackward needs every trainable weight on one device, got {devices}")
         self.device = next(iter(devices))
+        if skip_nonfinite and not all(g.get("fused") for g in optimizer.param_groups):
+            # only torch's fused kernels (Adam, AdamW, SGD) read found_inf; the others refuse it
+            raise ValueError(f"StepInBackward(skip_nonfinite=True) needs a fused optimizer (torch.optim.Adam, AdamW or "
+                             f"SGD with fused=True), got {type(optimizer).__name__} without fused")
+        self.skip_nonfinite = skip_nonfinite
+        self.loss_bad: torch.Tensor | None = None  # 1.0 when the watched loss is NaN/Inf (device tensor)
+        self.skipped = torch.zeros((), device=self.device)  # pages skipped over NaN/Inf since take_skipped()
         # On the CPU the same pages are kept and copied (host to host): pointless for memory, but the
         # order of steps and their results are those of a GPU run, which is what CPU tests check.
         self.cuda = self.device.type == "cuda"
@@ -137,6 +148,9 @@ class StepInBackward:
         page.sub.state = self.optimizer.state  # load_state_dict() replaces the user's state dict
         for sub_group, gi in zip(page.sub.param_groups, page.groups):  # e.g. the scheduler's latest lr
             sub_group.update({k: v for k, v in self.optimizer.param_groups[gi].items() if k != "params"})
+        if self.skip_nonfinite:
+            page.sub.found_inf = self._nonfinite(page)
+            self.skipped += page.sub.found_inf
         page.sub.step()
         for p in page.params:
             if id(p) in page.ready:
@@ -145,6 +159,26 @@ class StepInBackward:
         page.ready = set()
         self._page_out(page)
         self.stats["pages_stepped"] += 1
+
+    def _nonfinite(self, page: _Page) -> torch.Tensor:
+        """1.0 (on the device, no sync) when the page's gradients or the watched loss hold NaN/Inf.
+        The gradients' norms overflow to Inf only where the Trainer's norm over all of them would too."""
+        grads = [p.grad for p in page.params if id(p) in page.ready and p.grad is not None]
+        bad = torch.stack(torch._foreach_norm(grads)).isfinite().all().logical_not().float() if grads else \
+            torch.zeros((), device=self.device)
+        return bad if self.loss_bad is None else torch.maximum(bad, self.loss_bad)
+
+    def watch_loss(self, loss: torch.Tensor) -> None:
+        """Before ``loss.backward()``: with ``skip_nonfinite``, a NaN/Inf ``loss`` skips every page this
+        backward, as a whole step is skipped over one (some gradients may still come out finite)."""
+        self.loss_bad = loss.detach().isfinite().logical_not().float().reshape(())
+
+    def take_skipped(self) -> int:
+        """Pages skipped over NaN/Inf since the last call (waits for the device: once a step)."""
+        skipped = int(self.skipped.item())
+        self.skipped.zero_()
+        self.loss_bad = None
+        return skipped
 
     def _page_in(self, page: _Page) -> None:
         """Its state onto the device on the copy-in stream (nothing before its first step made any)."""

@@ -103,3 +103,61 @@ def test_a_weight_without_a_gradient_keeps_its_state_and_the_others_step():
     assert torch.equal(frozen, before) and not torch.equal(other, other_before)
     assert all(p.grad is None for p in model.parameters())
     assert not pager.pending and all(not page.ready for page in pager.pages)
+
+
+# --- skip_nonfinite: what the Trainer's offload.optimizer_step_in_backward uses ----------------------
+def test_a_page_with_an_inf_gradient_keeps_its_weights_and_state_and_the_others_step_bitwise():
+    runs = []
+    for in_backward in (False, True):
+        model = Chain(checkpointed=False)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        pager = StepInBackward(optimizer, page_bytes=WIDTH * WIDTH * 4, skip_nonfinite=True) if in_backward else None
+        _train(model, optimizer, range(2))
+        layer = list(model.layers[2].parameters())  # the page the poisoned weight is in (its bias too)
+        poisoned = model.layers[2].weight
+        state_before = {k: v.clone() for k, v in optimizer.state[poisoned].items()}
+        weight_before = poisoned.detach().clone()
+        if pager is None:  # the reference: every weight but that page's steps, in one step()
+            for p in layer:
+                p.requires_grad_(False)
+            _train(model, optimizer, range(2, 3))
+            for p in layer:
+                p.requires_grad_(True)
+        else:
+            assert {id(p) for p in pager.page_of[id(poisoned)].params} == {id(p) for p in layer}
+            # a finite loss whose gradient overflows in one weight, which only its page can see
+            handle = poisoned.register_hook(lambda grad: grad * float("inf"))
+            _train(model, optimizer, range(2, 3))
+            handle.remove()
+            assert pager.take_skipped() == 1  # the poisoned weight's page, and only it
+            assert torch.equal(poisoned, weight_before)  # no Inf written, the weight did not move
+            for key, value in optimizer.state[poisoned].items():  # nor its moments, nor its step count
+                assert torch.equal(value, state_before[key]), key
+        _train(model, optimizer, range(3, 5))
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for expected, got in zip(*runs):
+        assert torch.equal(expected, got)
+
+
+def test_a_nan_loss_skips_every_page():
+    model = Chain(checkpointed=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    # made first, as the Trainer makes it: its wrapper of optimizer.step must not become the pages' step
+    torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    pager = StepInBackward(optimizer, page_bytes=WIDTH * WIDTH * 4, skip_nonfinite=True)
+    _train(model, optimizer, range(2))
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(32, WIDTH)
+    x[0, 0] = float("nan")  # one NaN input: the loss is NaN, yet most gradients come out finite
+    loss = model(x).pow(2).mean()
+    pager.watch_loss(loss)
+    loss.backward()
+    optimizer.step()
+    assert pager.take_skipped() == len(pager.pages)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert pager.take_skipped() == 0  # the count and the loss flag start over
+
+
+def test_skipping_needs_a_fused_optimizer():
+    with pytest.raises(ValueError, match="needs a fused optimizer"):
+        StepInBackward(_optimizer("adamw", Chain().parameters()), skip_nonfinite=True)
