@@ -23,6 +23,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from diffsynth_core.errors import InputError
+from diffsynth_core.training.optimizers import step_in_backward_conflict
 from diffsynth_core.training.optimizers import split_name as _optimizer_name
 
 from .secrets import literal_secrets
@@ -193,7 +194,7 @@ class TrainSection(_Section):
     seed: int = Field(0, ge=0, lt=2**32)  # torch generators take 64 bits; seeds are mixed with draw serials
     gradient_accumulation_steps: int = Field(1, ge=1)
     batch_size: int = Field(1, ge=1)  # samples per forward pass (bucketed by shape)
-    max_grad_norm: float | None = Field(1.0, gt=0, allow_inf_nan=False)
+    max_grad_norm: float | None = Field(1.0, ge=0, allow_inf_nan=False)  # 0 (or null): no clipping
     warmup_steps: int = Field(0, ge=0)
     lora_rank: int = Field(16, ge=0)  # 0 together with trainable_models: full fine-tuning
     lora_alpha: float | None = Field(None, gt=0, allow_inf_nan=False)  # None: equal to the rank (scale 1)
@@ -279,6 +280,10 @@ class OffloadSection(_Section):
     # The optimizer's state (AdamW's moments) waits in pinned host memory between steps; the step
     # itself stays on the GPU (docs/offload.md).  Nothing to do on a CPU run.
     optimizer_state_on_host: bool = False
+    # Each page of trainable weights steps during backward, as soon as its gradients are in, its state
+    # paged in from host memory (StepInBackward): neither state nor gradients sit at the backward's
+    # peak.  Needs train.max_grad_norm = 0, no accumulation, one process, Adam/AdamW/SGD (built fused).
+    optimizer_step_in_backward: bool = False
     # MB, as in DiffSynth-Studio: a unit with more bytes of weights is split into its children.
     cpu_offload_split_threshold: float | None = Field(None, gt=0, allow_inf_nan=False)
     # Cap on the GPU's peak memory (GiB) or "auto" (what is free, minus 5 %); 0: stream every block.
@@ -336,6 +341,13 @@ class RunConfig(_Section):
     offload: OffloadSection = OffloadSection()
     output: OutputSection = OutputSection()
     orchestration: OrchestrationSection = OrchestrationSection()
+
+    @model_validator(mode="after")
+    def _step_in_backward_fits(self):
+        conflict = self.offload.optimizer_step_in_backward and step_in_backward_conflict(self.train, self.offload)
+        if conflict:  # refused here, before preprocessing, as well as when training starts
+            raise ValueError(conflict)
+        return self
 
     @model_validator(mode="after")
     def _validation_needs_a_pipeline_folder(self):

@@ -180,6 +180,8 @@ def _train(cfg: RunConfig) -> TrainSummary:
     report = result.offload.report() if result.offload is not None else {}  # planned vs measured bytes, GPU peak
     if result.host_state is not None:
         report["optimizer_state_on_host"] = result.host_state.stats
+    if result.steps_in_backward is not None:
+        report["optimizer_step_in_backward"] = result.steps_in_backward.stats
     if report and trainer.rank == 0:
         (output / "offload.json").write_text(json.dumps(report, indent=1))
     if result.offload is not None and result.lora_config is None:

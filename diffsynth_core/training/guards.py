@@ -55,15 +55,18 @@ class NonFiniteGuard:
         self.limit, self.learning_rate = limit, learning_rate
         self.streak = 0  # bad steps in a row so far (checkpointed: resume continues the count)
 
-    def allows_update(self, step: int, loss: float, norm: torch.Tensor, device: torch.device) -> bool:
-        """True when step ``step`` may update the weights; raises once ``limit`` steps in a row were bad."""
-        bad = not math.isfinite(loss) or not bool(torch.isfinite(norm))
+    def allows_update(self, step: int, loss: float, norm: torch.Tensor, device: torch.device,
+                      gradients: str | None = None) -> bool:
+        """True when step ``step`` may update the weights; raises once ``limit`` steps in a row were bad.
+        ``gradients``: what was non-finite among the gradients, where ``norm`` could not see them
+        (their weights stepped during backward); None when all were finite."""
+        bad = not math.isfinite(loss) or not bool(torch.isfinite(norm)) or gradients is not None
         bad = bool(_max_over_ranks(torch.tensor([float(bad)]), device)[0])  # one decision for every rank
         if not bad:
             self.streak = 0
             return True
         self.streak += 1
-        what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {float(norm)}"
+        what = f"loss {loss}" if not math.isfinite(loss) else gradients or f"gradient norm {float(norm)}"
         if self.streak >= self.limit:
             lr = f" (now {self.learning_rate:g})" if self.learning_rate is not None else ""
             raise InputError(

@@ -48,6 +48,7 @@ class TrainResult:
     # restoring the frozen base; ``offload.detach()`` gives the model back (in place).
     offload: Any = None
     host_state: Any = None  # HostOptimizerState (offload.optimizer_state_on_host): its ``stats``
+    steps_in_backward: Any = None  # StepInBackward (offload.optimizer_step_in_backward): its ``stats``
 
 
 @dataclass
@@ -161,7 +162,8 @@ class Trainer:
             metrics.close()
         averaged = ema.state_dict() if ema is not None else None
         return TrainResult(prepared.model, prepared.lora_config, step, resumed_from, losses, averaged,
-                           offload=prepared.offload, host_state=prepared.host_state)
+                           offload=prepared.offload, host_state=prepared.host_state,
+                           steps_in_backward=prepared.steps_in_backward)
 
     def make_sampler(self, batch_size: int | None = None) -> BucketSampler:
         """The run's batch order (``batch_size`` overrides ``train.batch_size``: benchmarks)."""
@@ -186,6 +188,8 @@ class Trainer:
         for i in range(accumulation):
             round_ = sampler.next_round()
             loss = self._batch_loss(prepared.model, self.next_batch.take(round_[self.rank])) / accumulation
+            if prepared.steps_in_backward is not None:  # a NaN/Inf loss skips every page's step
+                prepared.steps_in_backward.watch_loss(loss)
             loss.backward()
             if prefetch or i + 1 < accumulation:  # before the wait for the GPU below (prefetch.py)
                 self.next_batch.prepare_ahead(sampler.peek_round()[self.rank])
@@ -198,12 +202,27 @@ class Trainer:
             prepared.offload.after_backward()  # also all-reduces across ranks
         elif self.world_size > 1:
             _all_reduce_mean(params)
-        norm = grad_norm(params, self.train.max_grad_norm)
-        if self.nonfinite.allows_update(step, total_loss, norm, self.device):  # NaN/Inf: no update
-            prepared.optimizer.step()
-            prepared.scheduler.step()
+        if prepared.steps_in_backward is not None:
+            self._stepped_in_backward(prepared, step, total_loss)
+        else:
+            norm = grad_norm(params, self.train.max_grad_norm)
+            if self.nonfinite.allows_update(step, total_loss, norm, self.device):  # NaN/Inf: no update
+                prepared.optimizer.step()
+                prepared.scheduler.step()
         prepared.optimizer.zero_grad(set_to_none=True)
         return StepResult(total_loss, batches)
+
+    def _stepped_in_backward(self, prepared: Prepared, step: int, loss: float) -> None:
+        """The weights stepped page by page during backward; a page whose gradients (or the loss) held
+        NaN/Inf skipped its step, and the step counts as non-finite (``train.max_nonfinite_steps``)."""
+        pager = prepared.steps_in_backward
+        skipped = pager.take_skipped()
+        gradients = f"NaN/Inf gradients in {skipped} of {len(pager.pages)} pages, which kept their weights" \
+            if skipped else None
+        allowed = self.nonfinite.allows_update(step, loss, torch.zeros(()), self.device, gradients=gradients)
+        prepared.optimizer.step()  # every step: it closes the pager's cycle (no gradient is left to apply)
+        if allowed:
+            prepared.scheduler.step()
 
     def _host_batch(self, batch: Batch) -> HostBatch:
         """``batch`` read, drawn and stacked on the host (pinned when it goes to a GPU)."""

@@ -48,6 +48,35 @@ def split_name(name: str) -> tuple[str, str]:
                      f"torch.optim.AdamW) or one of {listed}")
 
 
+# torch.optim classes whose fused kernel reads GradScaler's ``found_inf`` flag, so a step can be skipped
+# on the device without waiting for it (offload.optimizer_step_in_backward builds them fused).
+SKIPPABLE_FUSED = ("Adam", "AdamW", "SGD")
+
+
+def skippable_fused(name: str) -> bool:
+    module, cls = split_name(name)
+    return module == TORCH and cls in SKIPPABLE_FUSED
+
+
+def step_in_backward_conflict(train: Any, offload: Any) -> str | None:
+    """Why ``offload.optimizer_step_in_backward`` cannot run with these sections (None: it can).
+    Each weight moves as soon as its gradient is in, so nothing may need every gradient first."""
+    key = "offload.optimizer_step_in_backward"
+    if getattr(train, "max_grad_norm", None):
+        return (f"{key} steps each weight during backward, before the gradient norm to clip by is known: "
+                f"set train.max_grad_norm = 0 (no clipping) or turn {key} off")
+    if getattr(train, "gradient_accumulation_steps", 1) > 1:
+        return (f"{key} steps after every backward, so train.gradient_accumulation_steps must be 1 "
+                f"(got {train.gradient_accumulation_steps}); raise train.batch_size instead")
+    if getattr(offload, "enable_optimizer_cpu_offload", False):
+        return (f"{key} and offload.enable_optimizer_cpu_offload both place the optimizer step (on the GPU "
+                "during backward, or on the host): choose one")
+    if not skippable_fused(getattr(train, "optimizer", "torch.optim.AdamW")):
+        return (f"{key} needs train.optimizer = torch.optim.AdamW, Adam or SGD (their fused kernel lets a page "
+                f"with a NaN/Inf gradient skip its step on the GPU), got {train.optimizer!r}")
+    return None
+
+
 def optimizer_class(name: str) -> Any:
     """The class ``name`` denotes, imported only from the allow-list."""
     module, cls = split_name(name)

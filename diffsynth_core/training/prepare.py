@@ -44,19 +44,23 @@ class Prepared:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     offload: Any | None                  # OffloadTrainingManager when streaming weights
     host_state: Any | None = None        # HostOptimizerState under offload.optimizer_state_on_host
+    steps_in_backward: Any | None = None  # StepInBackward under offload.optimizer_step_in_backward
 
 
-def build_optimizer(class_path: str, params, learning_rate: float, weight_decay: float,
-                    on_host: bool = False, optimizer_args: dict[str, Any] | None = None) -> torch.optim.Optimizer:
+def build_optimizer(class_path: str, params, learning_rate: float, weight_decay: float, on_host: bool = False,
+                    optimizer_args: dict[str, Any] | None = None, fused: bool = False) -> torch.optim.Optimizer:
     """Instantiate the allowed optimizer ``class_path`` (default torch.optim.AdamW) over ``params``.
 
     Only torch.optim classes and the packages listed in ``optimizers.PACKAGES`` can be named.
     ``on_host``: the parameters step on the CPU (optimizer offload), where torch's fused
-    Adam/AdamW kernel is several times faster than the default for-each one.
-    ``optimizer_args`` (``train.optimizer_args``): more constructor arguments; they win over that default.
+    Adam/AdamW kernel is several times faster than the default for-each one.  ``fused``: built
+    fused where the class can be (``optimizers.SKIPPABLE_FUSED``: steps during backward skip on the device).
+    ``optimizer_args`` (``train.optimizer_args``): more constructor arguments; they win over those defaults.
     """
     optimizer_class = optimizers.optimizer_class(class_path)
-    extra = {"fused": True} if on_host and optimizer_class in (torch.optim.Adam, torch.optim.AdamW) else {}
+    wants_fused = (on_host and optimizer_class in (torch.optim.Adam, torch.optim.AdamW)) or \
+        (fused and optimizers.skippable_fused(class_path))
+    extra = {"fused": True} if wants_fused else {}
     extra.update(optimizers.checked_args(optimizer_class, class_path, dict(optimizer_args or {})))
     try:
         return optimizer_class(params, lr=learning_rate, weight_decay=weight_decay, **extra)
@@ -148,9 +152,10 @@ def prepare_for_training(model: nn.Module, spec: FamilySpec, train, offload, dev
     model.train()
     trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
     on_host = manager is not None and offload.enable_optimizer_cpu_offload
+    in_backward = getattr(offload, "optimizer_step_in_backward", False)
     optimizer = build_optimizer(train.optimizer, list(trainable.values()), train.learning_rate,
                                 train.weight_decay, on_host=on_host,
-                                optimizer_args=getattr(train, "optimizer_args", None))
+                                optimizer_args=getattr(train, "optimizer_args", None), fused=in_backward)
     if on_host and manager.plan.host_trainable and not getattr(train, "ema_decay", 0):
         # Host weights step unit by unit off the main thread, once optimizer.step() queues them: never
         # during backward (overlap_backward), since the Trainer's non-finite guard must see every
@@ -159,10 +164,31 @@ def prepare_for_training(model: nn.Module, spec: FamilySpec, train, offload, dev
         manager.bind_optimizer(optimizer)
     if manager is not None:
         manager.watch_optimizer(optimizer)  # a budget's plan covers the optimizer step's peak too
-    host_state = None
-    if getattr(offload, "optimizer_state_on_host", False) and device.type == "cuda":
+    host_state = steps_in_backward = None
+    if in_backward:  # pages its state through host memory itself: optimizer_state_on_host has nothing to add
+        conflict = optimizers.step_in_backward_conflict(train, offload)
+        if conflict:
+            raise InputError(conflict)
+        steps_in_backward = _steps_in_backward(optimizer)
+    elif getattr(offload, "optimizer_state_on_host", False) and device.type == "cuda":
         from ..offload.optimizer_state import HostOptimizerState
 
         host_state = HostOptimizerState(optimizer)  # on a CPU run the state is in host memory already
     scheduler = constant_with_warmup(optimizer, train.warmup_steps)
-    return Prepared(model, trainable, lora_config, optimizer, scheduler, manager, host_state)
+    return Prepared(model, trainable, lora_config, optimizer, scheduler, manager, host_state, steps_in_backward)
+
+
+def _steps_in_backward(optimizer: torch.optim.Optimizer):
+    """``StepInBackward`` as the Trainer uses it: a page with a NaN/Inf gradient (or all, after a NaN/Inf
+    loss) skips its step on the device.  Ranks are known only here.  On a CPU run it pages host to host: pointless for memory, but the
+    steps and their results are a GPU run's (CPU tests)."""
+    from ..offload.backward_steps import StepInBackward
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+            torch.distributed.get_world_size() > 1:
+        raise InputError("offload.optimizer_step_in_backward steps each weight before the ranks have averaged its "
+                         "gradient: train with one process, or turn it off")
+    try:
+        return StepInBackward(optimizer, skip_nonfinite=True)
+    except ValueError as err:  # e.g. train.optimizer_args.fused = false
+        raise InputError(f"offload.optimizer_step_in_backward: {err}; remove train.optimizer_args.fused") from None

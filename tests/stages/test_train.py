@@ -89,6 +89,24 @@ def test_training_under_the_offload_engine_equals_training_without_it(make_confi
         assert report["host_optimizer"]["jobs"] >= 4 and report["d2h_grad_bytes"] > 0
 
 
+def test_steps_in_backward_under_the_offload_engine_equal_the_fused_step_after_backward(make_config, tmp_path):
+    # no clipping (the key refuses it), and the reference steps with the same fused kernel
+    steps = ["train.max_steps=4", "train.save_steps=0", "train.max_grad_norm=0"]
+    plain = make_config(*steps, "train.optimizer_args.fused=true", f"output.path={tmp_path / 'plain'}")
+    preprocess.run(plain)
+    train.run(plain)
+    paged = make_config(*steps, "offload.enable_model_cpu_offload=true", "offload.optimizer_step_in_backward=true",
+                        f"output.path={tmp_path / 'paged'}")
+    train.run(paged)
+    got = load_file(str(paged.output_dir / "lora.safetensors"))
+    expected = load_file(str(plain.output_dir / "lora.safetensors"))
+    assert got.keys() == expected.keys()
+    for k in expected:  # see _MMAP_NOTE for why this is close rather than bitwise
+        torch.testing.assert_close(got[k], expected[k], rtol=1e-5, atol=1e-7)
+    stats = json.loads((paged.output_dir / "offload.json").read_text())["optimizer_step_in_backward"]
+    assert stats["pages_stepped"] >= 4 and stats["d2h_bytes"] > 0  # every step paged its state out
+
+
 # Without offload, CPU training computes with the weights as loaded: views of the mmapped
 # safetensors file, 8-byte aligned.  The engine copies them into its 64-byte aligned arena, and
 # oneDNN's fp32 kernels round differently for the two alignments (last-ulp differences).  The

@@ -127,9 +127,9 @@ def test_a_checkpoint_taken_with_the_state_off_the_gpu_resumes_bitwise(attach):
     for a, b in zip(model.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
 
-def _fit_tiny_qwen(out, state_on_host: bool, max_steps: int):
+def _fit_tiny_qwen(out, max_steps: int, train_keys: dict | None = None, offload_keys: dict | None = None):
     """A tiny diffusers Qwen-Image DiT through the real Trainer on CUDA (deterministic), blocks
-    streamed by the engine, LoRA r4, a checkpoint every 2 steps."""
+    streamed by the engine, LoRA r4, a checkpoint every 2 steps; ``*_keys``: more config keys."""
     from diffsynth_core.models import get_family, qwen_image
     from diffsynth_core.models.random_models import build_random_transformer
     from diffsynth_core.training.device import avoid_broken_kernels
@@ -145,8 +145,8 @@ def _fit_tiny_qwen(out, state_on_host: bool, max_steps: int):
         latents, cond = spec.dummy_inputs(model.config, batch=1, height=64, width=64, text_len=16, seed=seed)
         samples.append({"latents": latents[0], **{k: v[0] for k, v in cond.items()}})
     train = TrainSection(lora_rank=4, max_steps=max_steps, save_steps=2, seed=0, gradient_checkpointing=True,
-                         device="cuda", deterministic=True)
-    offload = OffloadSection(enable_model_cpu_offload=True, optimizer_state_on_host=state_on_host)
+                         device="cuda", deterministic=True, **(train_keys or {}))
+    offload = OffloadSection(enable_model_cpu_offload=True, **(offload_keys or {}))
     result = Trainer(spec, model, samples, train, offload, out, device=device, progress=False).fit()
     lora = {k: v.detach().cpu() for k, v in result.model.named_parameters() if "lora_" in k}
     return result, lora
@@ -166,13 +166,33 @@ def deterministic_mode(monkeypatch):
 
 def test_the_trainer_with_state_on_host_trains_and_resumes_bitwise_like_without(tmp_path, deterministic_mode):
     pytest.importorskip("diffusers")
-    plain, plain_lora = _fit_tiny_qwen(tmp_path / "plain", False, 4)
-    hosted, hosted_lora = _fit_tiny_qwen(tmp_path / "hosted", True, 4)
-    assert hosted.host_state is not None and hosted.host_state.stats["steps"] == 4
-    assert hosted.losses == plain.losses
-    assert all(torch.equal(hosted_lora[k], plain_lora[k]) for k in plain_lora)
-    _fit_tiny_qwen(tmp_path / "resumed", True, 2)  # stops after its checkpoint at step 2
-    resumed, resumed_lora = _fit_tiny_qwen(tmp_path / "resumed", True, 4)
+    hosted = {"optimizer_state_on_host": True}
+    plain, plain_lora = _fit_tiny_qwen(tmp_path / "plain", 4)
+    run, run_lora = _fit_tiny_qwen(tmp_path / "hosted", 4, offload_keys=hosted)
+    assert run.host_state is not None and run.host_state.stats["steps"] == 4
+    assert run.losses == plain.losses
+    assert all(torch.equal(run_lora[k], plain_lora[k]) for k in plain_lora)
+    _fit_tiny_qwen(tmp_path / "resumed", 2, offload_keys=hosted)  # stops after its checkpoint at step 2
+    resumed, resumed_lora = _fit_tiny_qwen(tmp_path / "resumed", 4, offload_keys=hosted)
+    assert resumed.resumed_from == 2
+    assert all(torch.equal(resumed_lora[k], plain_lora[k]) for k in plain_lora)
+
+
+def test_the_trainer_stepping_in_backward_trains_and_resumes_bitwise_like_the_step_after(tmp_path, deterministic_mode):
+    """offload.optimizer_step_in_backward: no clipping (the key refuses it); the reference steps
+    after backward with the same fused AdamW."""
+    pytest.importorskip("diffusers")
+    no_clip, paged = {"max_grad_norm": None}, {"optimizer_step_in_backward": True}
+    plain, plain_lora = _fit_tiny_qwen(tmp_path / "plain", 4, {**no_clip, "optimizer_args": {"fused": True}})
+    run, run_lora = _fit_tiny_qwen(tmp_path / "paged", 4, no_clip, paged)
+    pager = run.steps_in_backward
+    pager.wait()
+    assert pager.stats["pages_stepped"] == 4 * len(pager.pages) and pager.stats["d2h_bytes"] > 0
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in _state_tensors(pager.optimizer))
+    assert run.losses == plain.losses
+    assert all(torch.equal(run_lora[k], plain_lora[k]) for k in plain_lora)
+    _fit_tiny_qwen(tmp_path / "resumed", 2, no_clip, paged)
+    resumed, resumed_lora = _fit_tiny_qwen(tmp_path / "resumed", 4, no_clip, paged)
     assert resumed.resumed_from == 2
     assert all(torch.equal(resumed_lora[k], plain_lora[k]) for k in plain_lora)
 
