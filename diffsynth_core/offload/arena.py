@@ -53,6 +53,7 @@ class HostArena:
                 raise RuntimeError(f"cudaHostRegister returned {err}")
             self.pinned = True
         except Exception as exc:  # noqa: BLE001 - any failure means "not pinned"; we fall back
+            _clear_cuda_error()
             _warn_pageable(f"pinning {self.nbytes / 2**30:.1f} GiB failed: {exc}")
 
     def region(self, offset: int, nbytes: int) -> torch.Tensor:
@@ -65,6 +66,16 @@ class HostArena:
             torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
             self.pinned = False
         self.buffer = torch.empty(0, dtype=torch.uint8)
+
+
+def _clear_cuda_error() -> None:
+    """A failed runtime call leaves its error pending, and the next kernel launch would raise it from
+    an unrelated op (seen as ``torch.zeros`` failing with "memory range is already mapped"): one
+    throwaway launch takes it now."""
+    try:
+        torch.empty(1, device="cuda").zero_()
+    except Exception:  # noqa: BLE001 - that is the pending error, consumed
+        pass
 
 
 def typed_view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:

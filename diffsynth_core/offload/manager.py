@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -11,7 +12,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ..errors import InputError
-from .arena import HostArena
+from .arena import HostArena, release_all
 from .shared_arena import SharedHostArena, shared_host_arena
 from .budget import GIB, BudgetTracker, auto_budget, forward_order, plan_residency, static_residency
 from .grads import GradAverager, HostGradSink, blocking_event
@@ -122,6 +123,11 @@ class OffloadTrainingManager:
         self._setup_schedule()
         self.grad_sink = (HostGradSink(self.plan.host_trainable, self.device, self.arena.pinned)
                           if self.plan.host_trainable else None)
+        # A manager dropped without detach() (a library user's, a test's) must unpin its arenas: memory
+        # freed while still registered makes a later cudaHostRegister of the same addresses fail.
+        # Not at exit: the process's end frees it all, and unpinning 40 GB would delay it.
+        arenas = [self.arena] + ([self.grad_sink.arena] if self.grad_sink is not None else [])
+        weakref.finalize(self, release_all, arenas).atexit = False
         self.stepper: HostStepper | None = None
         self._optimizer_hooks: list = []
         self._order_hook = (optim_hooks.register_optimizer_step_pre_hook(self._check_step_order)

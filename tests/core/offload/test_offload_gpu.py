@@ -291,3 +291,19 @@ def test_nccl_data_parallel_matches_one_process_on_the_combined_batch(tmp_path, 
         if key != "calls":
             assert torch.equal(states[0][key], states[1][key]), key
             torch.testing.assert_close(states[0][key], want.cpu(), rtol=1e-4, atol=1e-5)
+
+
+def test_managers_dropped_without_detach_unpin_so_later_ones_pin_again():
+    """A manager dropped without detach() used to leave its arena registered after the memory went
+    back to the allocator; the next arena at the same addresses then failed to pin ("already
+    mapped"), and the pending CUDA error surfaced later in an unrelated op."""
+    import gc
+
+    for _ in range(4):
+        model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)]).requires_grad_(False)
+        mgr = OffloadTrainingManager(model, CUDA)
+        assert mgr.arena.pinned
+        model(torch.randn(8, 1024, device=CUDA)).sum().item()
+        del model, mgr
+        gc.collect()
+    torch.zeros((), device=CUDA).item()  # no error left pending
