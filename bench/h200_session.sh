@@ -13,6 +13,7 @@
 #   bench/h200_session.sh hoststate MUSUBI_FILE  # AdamW's moments in host memory: GPU tests, stack rows
 #                                                # (QWEN_ROWS=...: Qwen-Image rows after them)
 #   bench/h200_session.sh bwdstep MUSUBI_FILE    # steps during backward (StepInBackward): GPU tests, stack rows
+#                                                # (SKIP_NONFINITE=1: as the Trainer runs it)
 # Install the carried wheels with --no-deps (pip --target resolves dependencies only among the
 # wheels given, and the machine's own anyio etc. are not among them):
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
@@ -78,10 +79,12 @@ hoststate|bwdstep)  # the optimizer state off the GPU: offload.optimizer_state_o
   # StepInBackward (bwdstep): GPU tests, stack rows with and without musubi's (hoststate: QWEN_ROWS after them)
   timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/offload/test_optimizer_state_gpu.py \
     > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
+  # SKIP_NONFINITE=1: bwdstep rows as offload.optimizer_step_in_backward runs them in the Trainer
   rows=${ROWS:-streamed_act,streamed_act_$1,budget_12_of_24_act,budget_12_of_24_act_$1}
-  timeout 200 python3 -m bench.side_by_side --musubi-file "$2" --rows "$rows" \
+  timeout 200 python3 -m bench.side_by_side --musubi-file "$2" --rows "$rows" ${SKIP_NONFINITE:+--skip-nonfinite} \
     --out "$OUT/side_by_side_$1_h200.json" > /dev/null
-  timeout 150 python3 -m bench.side_by_side --rows "$rows" --out "$OUT/side_by_side_$1_b_h200.json" > /dev/null
+  timeout 150 python3 -m bench.side_by_side --rows "$rows" ${SKIP_NONFINITE:+--skip-nonfinite} \
+    --out "$OUT/side_by_side_$1_b_h200.json" > /dev/null
   if [ "$1" = hoststate ] && [ -n "${QWEN_ROWS:-}" ]; then
     timeout "$(left)" python3 -m bench.offload --cases qwen20b --skip-resident --qwen-rows "$QWEN_ROWS" \
       --out "$OUT/offload_hoststate_h200.json" > "$OUT/offload_log.txt" 2>&1; tail -3 "$OUT/offload_log.txt"

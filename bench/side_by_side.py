@@ -14,7 +14,8 @@ it); rows ending in ``_act`` also keep the checkpointed block inputs in host mem
 (``offload_activations``), rows ending in ``_hoststate`` also keep AdamW's moments there between
 steps (``offload.optimizer_state_on_host``: the step stays on the GPU), rows ending in ``_bwdstep``
 step each page of adapters during backward with its state paged in from the host
-(``StepInBackward``, library use: no clipping or accumulation); and musubi's offloader
+(``StepInBackward``, library use: no clipping or accumulation; ``--skip-nonfinite``: as the Trainer
+runs it under ``offload.optimizer_step_in_backward``); and musubi's offloader
 (``bench/musubi_harness.py``) with 24 and with 12 blocks swapped.  Prints one JSON document: s/step (median), peak ``max_memory_allocated``,
 host->device bytes per step, and ratios to ``bound = max(resident s/step, bytes / pinned bandwidth)``.
 Without ``--musubi-file`` the musubi rows are skipped.  ``--size quick --device cpu`` checks the
@@ -86,14 +87,20 @@ def run_worker(args) -> dict:
         keeper = HostOptimizerState(opt, tuple(args.state_keys.split(",")) if args.state_keys else None)
         if args.state_sync:  # the copies out on the step's path, not beside the next forward
             opt.register_step_post_hook(lambda *_: keeper.wait())
+    pager = None
     if args.worker.endswith("_bwdstep"):  # each page of adapters steps during backward, state paged in
         from diffsynth_core.offload.backward_steps import StepInBackward
 
-        StepInBackward(opt)
+        # --skip-nonfinite: as offload.optimizer_step_in_backward runs it in the Trainer
+        pager = StepInBackward(opt, skip_nonfinite=args.skip_nonfinite)
 
     def step():
         loss = model(x).float().pow(2).mean()
+        if pager is not None and args.skip_nonfinite:
+            pager.watch_loss(loss)
         loss.backward()
+        if pager is not None and args.skip_nonfinite:
+            assert pager.take_skipped() == 0  # the Trainer reads the count once a step (it syncs, as loss.item())
         if mgr is not None:
             mgr.after_backward()
         opt.step()
@@ -141,7 +148,8 @@ def orchestrate(args) -> dict:
     device = torch.device(args.device)
     common = ["--size", args.size, "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
               "--lora-input", args.lora_input]
-    ours = [*common, "--state-keys", args.state_keys] + (["--state-sync"] if args.state_sync else [])
+    ours = [*common, "--state-keys", args.state_keys] + (["--state-sync"] if args.state_sync else []) + \
+        (["--skip-nonfinite"] if args.skip_nonfinite else [])
     rows = Rows(args.out)
     rows["resident"] = _spawn(["-m", "bench.side_by_side", "--worker", "resident", *ours])
     # A budget row plans from the matching all-streamed row's peak: asking for it runs that row too.
@@ -193,6 +201,8 @@ def main() -> None:
                     "(comma-separated, e.g. exp_avg_sq); all when empty")
     ap.add_argument("--state-sync", action="store_true", help="_hoststate rows: wait for the state's copies out "
                     "at the end of each step")
+    ap.add_argument("--skip-nonfinite", action="store_true", help="_bwdstep rows: each page skips its step on the "
+                    "device over NaN/Inf, the count read once a step (offload.optimizer_step_in_backward)")
     ap.add_argument("--musubi-file", default=None, help="musubi-tuner's custom_offloading_utils.py (not shipped)")
     ap.add_argument("--rows", default=",".join(ROWS), type=lambda v: v.split(","),
                     help="which of our rows to run (resident always runs)")
