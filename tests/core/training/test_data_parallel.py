@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from diffsynth_core.errors import InputError
 from diffsynth_core.training.loop import Trainer
 from diffsynth_core.training.metrics import read_metrics
 from stages.config import OffloadSection, TrainSection
@@ -33,6 +34,13 @@ def _worker(rank, init_file, bases, out_dir, results):
             trainer = Trainer(spec, copy.deepcopy(bases[name]), samples(), TrainSection(**{**OPTIONS, **options}),
                               OffloadSection(), out_dir / f"{name}-rank{rank}", progress=False)
             results[(name, rank)] = lora_of(trainer.fit().model)
+        # steps during backward would move each weight before the ranks average its gradient
+        trainer = Trainer(TOY_SPEC, ToyDiT(), toy_samples(4), TrainSection(**OPTIONS),
+                          OffloadSection(optimizer_step_in_backward=True), out_dir / f"paged-rank{rank}", progress=False)
+        try:
+            trainer.fit()
+        except InputError as err:
+            results[("paged", rank)] = str(err)
     finally:
         dist.destroy_process_group()
 
@@ -55,6 +63,9 @@ def test_two_gloo_ranks_end_identical_and_equal_to_one_process_with_accumulation
             assert torch.equal(rank0[key], rank1[key]), (name, key)
             torch.testing.assert_close(rank0[key], expected[name][key], rtol=1e-5, atol=1e-6)
         assert not (tmp_path / f"{name}-rank1" / "checkpoints").exists()  # only rank 0 writes
+    for rank in (0, 1):
+        assert "offload.optimizer_step_in_backward steps each weight before the ranks have averaged" in \
+            results.get(("paged", rank), "")
     # rank 0 logs every rank's batches: the same samples and buckets per step as the single process
     rows = read_metrics(tmp_path / "buckets-rank0" / "metrics.csv")
     single_rows = read_metrics(tmp_path / "buckets-single" / "metrics.csv")
