@@ -64,17 +64,22 @@ def test_validation_images_are_rendered_every_k_steps_without_changing_the_run(m
     assert all(got[k].equal(expected[k]) for k in expected)
 
 
-@pytest.mark.parametrize("extra", [
-    ["offload.enable_model_cpu_offload=true"],
-    ["offload.enable_model_cpu_offload=true", "offload.granularity='leaf'", "train.gradient_checkpointing_offload=true"],
+@pytest.mark.parametrize("extra, reference", [
+    (["offload.enable_model_cpu_offload=true"], []),
+    (["offload.enable_model_cpu_offload=true", "offload.granularity='leaf'", "train.gradient_checkpointing_offload=true"],
+     []),
     # the adapters live on the host with their blocks and step there (fused CPU AdamW), then export
-    ["offload.enable_model_cpu_offload=true", "offload.enable_optimizer_cpu_offload=true"],
+    (["offload.enable_model_cpu_offload=true", "offload.enable_optimizer_cpu_offload=true"], []),
     # on a CPU run the optimizer's state is in host memory already: the key changes nothing
-    ["offload.enable_model_cpu_offload=true", "offload.optimizer_state_on_host=true"],
-], ids=["block", "leaf+activation-offload", "optimizer-offload", "state-on-host"])
-def test_training_under_the_offload_engine_equals_training_without_it(make_config, tmp_path, extra):
+    (["offload.enable_model_cpu_offload=true", "offload.optimizer_state_on_host=true"], []),
+    # each page steps during backward: no clipping (the key refuses it), and the reference steps with the
+    # same fused kernel after backward
+    (["offload.enable_model_cpu_offload=true", "offload.optimizer_step_in_backward=true", "train.max_grad_norm=0"],
+     ["train.max_grad_norm=0", "train.optimizer_args.fused=true"]),
+], ids=["block", "leaf+activation-offload", "optimizer-offload", "state-on-host", "step-in-backward"])
+def test_training_under_the_offload_engine_equals_training_without_it(make_config, tmp_path, extra, reference):
     steps = ["train.max_steps=4", "train.save_steps=0"]
-    plain = make_config(*steps, f"output.path={tmp_path / 'plain'}")
+    plain = make_config(*steps, *reference, f"output.path={tmp_path / 'plain'}")
     preprocess.run(plain)
     train.run(plain)
     offloaded = make_config(*steps, *extra, f"output.path={tmp_path / 'offloaded'}")
@@ -87,24 +92,9 @@ def test_training_under_the_offload_engine_equals_training_without_it(make_confi
     report = json.loads((offloaded.output_dir / "offload.json").read_text())
     if "offload.enable_optimizer_cpu_offload=true" in extra:  # the adapters really stepped on the host
         assert report["host_optimizer"]["jobs"] >= 4 and report["d2h_grad_bytes"] > 0
-
-
-def test_steps_in_backward_under_the_offload_engine_equal_the_fused_step_after_backward(make_config, tmp_path):
-    # no clipping (the key refuses it), and the reference steps with the same fused kernel
-    steps = ["train.max_steps=4", "train.save_steps=0", "train.max_grad_norm=0"]
-    plain = make_config(*steps, "train.optimizer_args.fused=true", f"output.path={tmp_path / 'plain'}")
-    preprocess.run(plain)
-    train.run(plain)
-    paged = make_config(*steps, "offload.enable_model_cpu_offload=true", "offload.optimizer_step_in_backward=true",
-                        f"output.path={tmp_path / 'paged'}")
-    train.run(paged)
-    got = load_file(str(paged.output_dir / "lora.safetensors"))
-    expected = load_file(str(plain.output_dir / "lora.safetensors"))
-    assert got.keys() == expected.keys()
-    for k in expected:  # see _MMAP_NOTE for why this is close rather than bitwise
-        torch.testing.assert_close(got[k], expected[k], rtol=1e-5, atol=1e-7)
-    stats = json.loads((paged.output_dir / "offload.json").read_text())["optimizer_step_in_backward"]
-    assert stats["pages_stepped"] >= 4 and stats["d2h_bytes"] > 0  # every step paged its state out
+    if "offload.optimizer_step_in_backward=true" in extra:  # every step paged its state out
+        pages = report["optimizer_step_in_backward"]
+        assert pages["pages_stepped"] >= 4 and pages["d2h_bytes"] > 0
 
 
 # Without offload, CPU training computes with the weights as loaded: views of the mmapped
