@@ -137,6 +137,8 @@ def _place(model: nn.Module, spec: FamilySpec, offload, device: torch.device):
 
 
 def prepare_for_training(model: nn.Module, spec: FamilySpec, train, offload, device: torch.device) -> Prepared:
+    if getattr(offload, "optimizer_step_in_backward", False):
+        _refuse_what_cannot_step_in_backward(train, offload)
     if train.preset_lora_path:
         fuse_lora_file(model, train.preset_lora_path, rename=spec.native_module_name)
     torch.manual_seed(train.seed)  # LoRA initialisation is part of the run's reproducibility
@@ -166,9 +168,6 @@ def prepare_for_training(model: nn.Module, spec: FamilySpec, train, offload, dev
         manager.watch_optimizer(optimizer)  # a budget's plan covers the optimizer step's peak too
     host_state = steps_in_backward = None
     if in_backward:  # pages its state through host memory itself: optimizer_state_on_host has nothing to add
-        conflict = optimizers.step_in_backward_conflict(train, offload)
-        if conflict:
-            raise InputError(conflict)
         steps_in_backward = _steps_in_backward(optimizer)
     elif getattr(offload, "optimizer_state_on_host", False) and device.type == "cuda":
         from ..offload.optimizer_state import HostOptimizerState
@@ -178,16 +177,24 @@ def prepare_for_training(model: nn.Module, spec: FamilySpec, train, offload, dev
     return Prepared(model, trainable, lora_config, optimizer, scheduler, manager, host_state, steps_in_backward)
 
 
-def _steps_in_backward(optimizer: torch.optim.Optimizer):
-    """``StepInBackward`` as the Trainer uses it: a page with a NaN/Inf gradient (or all, after a NaN/Inf
-    loss) skips its step on the device.  Ranks are known only here.  On a CPU run it pages host to host: pointless for memory, but the
-    steps and their results are a GPU run's (CPU tests)."""
-    from ..offload.backward_steps import StepInBackward
-
+def _refuse_what_cannot_step_in_backward(train, offload) -> None:
+    """Before any work: the config checks the same rule when it is read, but a library caller's
+    sections were never validated together, and ranks are known only now."""
+    conflict = optimizers.step_in_backward_conflict(train, offload)
+    if conflict:
+        raise InputError(conflict)
     if torch.distributed.is_available() and torch.distributed.is_initialized() and \
             torch.distributed.get_world_size() > 1:
         raise InputError("offload.optimizer_step_in_backward steps each weight before the ranks have averaged its "
                          "gradient: train with one process, or turn it off")
+
+
+def _steps_in_backward(optimizer: torch.optim.Optimizer):
+    """``StepInBackward`` as the Trainer uses it: a page with a NaN/Inf gradient (or all, after a
+    NaN/Inf loss) skips its step on the device.  On a CPU run it pages host to host: pointless for
+    memory, but the steps and their results are a GPU run's (CPU tests)."""
+    from ..offload.backward_steps import StepInBackward
+
     try:
         return StepInBackward(optimizer, skip_nonfinite=True)
     except ValueError as err:  # e.g. train.optimizer_args.fused = false
