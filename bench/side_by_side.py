@@ -16,9 +16,10 @@ steps (``offload.optimizer_state_on_host``: the step stays on the GPU), rows end
 step each page of adapters during backward with its state paged in from the host
 (``StepInBackward``, library use: no clipping or accumulation; ``--skip-nonfinite``: as the Trainer
 runs it under ``offload.optimizer_step_in_backward``); and musubi's offloader
-(``bench/musubi_harness.py``) with 24 and with 12 blocks swapped.  Prints one JSON document: s/step (median), peak ``max_memory_allocated``,
-host->device bytes per step, and ratios to ``bound = max(resident s/step, bytes / pinned bandwidth)``.
-Without ``--musubi-file`` the musubi rows are skipped.  ``--size quick --device cpu`` checks the
+(``bench/musubi_harness.py``) with 24 and with 12 blocks swapped.  Prints one JSON document: s/step
+(median), peak ``max_memory_allocated``, host->device bytes per step, and ratios to
+``bound = max(resident s/step, bytes / pinned bandwidth)``.  Without ``--musubi-file`` the musubi
+rows are skipped.  ``--size quick --device cpu`` checks the
 script on a machine without a GPU (our rows only).
 """
 
@@ -87,20 +88,20 @@ def run_worker(args) -> dict:
         keeper = HostOptimizerState(opt, tuple(args.state_keys.split(",")) if args.state_keys else None)
         if args.state_sync:  # the copies out on the step's path, not beside the next forward
             opt.register_step_post_hook(lambda *_: keeper.wait())
-    pager = None
+    guarded = None  # --skip-nonfinite: the pager as offload.optimizer_step_in_backward runs it in the Trainer
     if args.worker.endswith("_bwdstep"):  # each page of adapters steps during backward, state paged in
         from diffsynth_core.offload.backward_steps import StepInBackward
 
-        # --skip-nonfinite: as offload.optimizer_step_in_backward runs it in the Trainer
         pager = StepInBackward(opt, skip_nonfinite=args.skip_nonfinite)
+        guarded = pager if args.skip_nonfinite else None
 
     def step():
         loss = model(x).float().pow(2).mean()
-        if pager is not None and args.skip_nonfinite:
-            pager.watch_loss(loss)
+        if guarded is not None:
+            guarded.watch_loss(loss)
         loss.backward()
-        if pager is not None and args.skip_nonfinite:
-            assert pager.take_skipped() == 0  # the Trainer reads the count once a step (it syncs, as loss.item())
+        if guarded is not None:
+            assert guarded.take_skipped() == 0  # the Trainer reads the count once a step (it syncs, as loss.item())
         if mgr is not None:
             mgr.after_backward()
         opt.step()

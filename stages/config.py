@@ -429,7 +429,8 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     problems = []
     for item in err.errors():
         dotted = ".".join(str(part) for part in item["loc"])
-        problems.append(f"{dotted}: {item['msg'].removeprefix('Value error, ')}")
+        message = item["msg"].removeprefix("Value error, ")
+        problems.append(f"{dotted}: {message}" if dotted else message)  # a rule across sections names its keys
     return f"invalid config ({source}): " + "; ".join(problems)
 
 

@@ -55,12 +55,13 @@ class NonFiniteGuard:
         self.limit, self.learning_rate = limit, learning_rate
         self.streak = 0  # bad steps in a row so far (checkpointed: resume continues the count)
 
-    def allows_update(self, step: int, loss: float, norm: torch.Tensor, device: torch.device,
+    def allows_update(self, step: int, loss: float, norm: torch.Tensor | None, device: torch.device,
                       gradients: str | None = None) -> bool:
         """True when step ``step`` may update the weights; raises once ``limit`` steps in a row were bad.
-        ``gradients``: what was non-finite among the gradients, where ``norm`` could not see them
-        (their weights stepped during backward); None when all were finite."""
-        bad = not math.isfinite(loss) or not bool(torch.isfinite(norm)) or gradients is not None
+        ``norm``: the gradients' total norm, or None where it was never taken (weights stepped during
+        backward); ``gradients`` then says what was non-finite among them (None: nothing)."""
+        bad = not math.isfinite(loss) or (norm is not None and not bool(torch.isfinite(norm))) or \
+            gradients is not None
         bad = bool(_max_over_ranks(torch.tensor([float(bad)]), device)[0])  # one decision for every rank
         if not bad:
             self.streak = 0

@@ -219,7 +219,7 @@ class Trainer:
         skipped = pager.take_skipped()
         gradients = f"NaN/Inf gradients in {skipped} of {len(pager.pages)} pages, which kept their weights" \
             if skipped else None
-        allowed = self.nonfinite.allows_update(step, loss, torch.zeros(()), self.device, gradients=gradients)
+        allowed = self.nonfinite.allows_update(step, loss, None, self.device, gradients=gradients)
         prepared.optimizer.step()  # every step: it closes the pager's cycle (no gradient is left to apply)
         if allowed:
             prepared.scheduler.step()

@@ -74,6 +74,9 @@ def step_in_backward_conflict(train: Any, offload: Any) -> str | None:
     if not skippable_fused(getattr(train, "optimizer", "torch.optim.AdamW")):
         return (f"{key} needs train.optimizer = torch.optim.AdamW, Adam or SGD (their fused kernel lets a page "
                 f"with a NaN/Inf gradient skip its step on the GPU), got {train.optimizer!r}")
+    if (getattr(train, "optimizer_args", None) or {}).get("fused") is False:
+        return (f"{key} needs a fused optimizer (its kernel skips a page's step over NaN/Inf on the GPU): "
+                "remove train.optimizer_args.fused")
     return None
 
 

@@ -168,7 +168,11 @@ def prepare_for_training(model: nn.Module, spec: FamilySpec, train, offload, dev
         manager.watch_optimizer(optimizer)  # a budget's plan covers the optimizer step's peak too
     host_state = steps_in_backward = None
     if in_backward:  # pages its state through host memory itself: optimizer_state_on_host has nothing to add
-        steps_in_backward = _steps_in_backward(optimizer)
+        from ..offload.backward_steps import StepInBackward
+
+        # a page with a NaN/Inf gradient (or all, after a NaN/Inf loss) skips its step on the device.  On a
+        # CPU run it pages host to host: pointless for memory, but the steps are a GPU run's (CPU tests).
+        steps_in_backward = StepInBackward(optimizer, skip_nonfinite=True)
     elif getattr(offload, "optimizer_state_on_host", False) and device.type == "cuda":
         from ..offload.optimizer_state import HostOptimizerState
 
@@ -187,15 +191,3 @@ def _refuse_what_cannot_step_in_backward(train, offload) -> None:
             torch.distributed.get_world_size() > 1:
         raise InputError("offload.optimizer_step_in_backward steps each weight before the ranks have averaged its "
                          "gradient: train with one process, or turn it off")
-
-
-def _steps_in_backward(optimizer: torch.optim.Optimizer):
-    """``StepInBackward`` as the Trainer uses it: a page with a NaN/Inf gradient (or all, after a
-    NaN/Inf loss) skips its step on the device.  On a CPU run it pages host to host: pointless for
-    memory, but the steps and their results are a GPU run's (CPU tests)."""
-    from ..offload.backward_steps import StepInBackward
-
-    try:
-        return StepInBackward(optimizer, skip_nonfinite=True)
-    except ValueError as err:  # e.g. train.optimizer_args.fused = false
-        raise InputError(f"offload.optimizer_step_in_backward: {err}; remove train.optimizer_args.fused") from None

@@ -160,3 +160,17 @@ def train_chain(model, optimizer, steps, scheduler=None) -> list[float]:
             scheduler.step()
         losses.append(loss.item())
     return losses
+
+
+def state_tensors(optimizer) -> list[torch.Tensor]:
+    """The optimizer's per-weight state tensors (not scalars such as AdamW's ``step`` count)."""
+    return [v for entry in optimizer.state.values() for v in entry.values()
+            if isinstance(v, torch.Tensor) and v.numel() > 1]
+
+
+def assert_same_runs(runs) -> None:
+    """``runs``: two (losses, weights) of one training done two ways: equal losses, bitwise weights."""
+    (losses, weights), (other_losses, other_weights) = runs
+    assert losses == other_losses
+    for expected, got in zip(weights, other_weights):
+        assert torch.equal(expected, got)

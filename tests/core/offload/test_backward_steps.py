@@ -13,7 +13,7 @@ import torch
 
 from diffsynth_core.offload.backward_steps import StepInBackward
 
-from offload_tiny import CHAIN_DEPTH as DEPTH, CHAIN_WIDTH as WIDTH, Chain
+from offload_tiny import CHAIN_DEPTH as DEPTH, CHAIN_WIDTH as WIDTH, Chain, assert_same_runs
 from offload_tiny import chain_optimizer as _optimizer, train_chain as _train
 
 
@@ -33,9 +33,7 @@ def test_steps_in_backward_are_bitwise_one_step_after_backward(kind, checkpointe
             assert pager.stats["h2d_bytes"] == 4 * sum(page.state.arena.nbytes for page in pager.pages)
             assert all(p.grad is None for p in model.parameters())  # freed as each page stepped
         runs.append((losses, [p.detach().clone() for p in model.parameters()]))
-    assert runs[0][0] == runs[1][0]
-    for expected, got in zip(runs[0][1], runs[1][1]):
-        assert torch.equal(expected, got)
+    assert_same_runs(runs)
 
 
 def test_pages_step_in_the_order_backward_produces_the_gradients():

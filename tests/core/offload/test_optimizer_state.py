@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from diffsynth_core.offload.optimizer_state import HostOptimizerState
-from offload_tiny import Chain, chain_optimizer as _optimizer, train_chain as _train
+from offload_tiny import Chain, assert_same_runs, chain_optimizer as _optimizer, state_tensors
+from offload_tiny import train_chain as _train
 
 
 def _homes(keeper):
@@ -26,12 +27,11 @@ def test_paged_state_steps_bitwise_like_state_left_in_place(kind):
         keeper = HostOptimizerState(optimizer) if paged else None
         losses = _train(model, optimizer, range(5))
         if keeper is not None:
-            state = [v for entry in optimizer.state.values() for v in entry.values() if v.numel() > 1]
+            state = state_tensors(optimizer)
             assert state and {id(v) for v in state} <= _homes(keeper)  # between steps: at home
             assert len(keeper.pages) == 1 and keeper.stats["h2d_bytes"] == 4 * keeper.stats["host_bytes"]
         runs.append((losses, [p.detach().clone() for p in model.parameters()]))
-    assert runs[0][0] == runs[1][0]
-    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+    assert_same_runs(runs)
 
 
 def test_only_the_keys_asked_for_are_paged():

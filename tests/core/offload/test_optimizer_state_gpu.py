@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from diffsynth_core.offload.optimizer_state import HostOptimizerState
+from offload_tiny import assert_same_runs, state_tensors
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -44,11 +45,6 @@ def _step(model, optimizer, step: int) -> float:
     return loss.item()
 
 
-def _state_tensors(optimizer):
-    return [v for entry in optimizer.state.values() for v in entry.values()
-            if isinstance(v, torch.Tensor) and v.numel() > 1]
-
-
 @pytest.mark.parametrize("kind", ["fused", "foreach", "sgd"])
 def test_state_on_host_steps_bitwise_like_state_on_the_gpu(kind):
     runs = []
@@ -59,15 +55,13 @@ def test_state_on_host_steps_bitwise_like_state_on_the_gpu(kind):
         losses = [_step(model, optimizer, s) for s in range(5)]
         if keeper is not None:
             keeper.wait()
-            state = _state_tensors(optimizer)
+            state = state_tensors(optimizer)
             assert state and all(t.device.type == "cpu" and t.is_pinned() for t in state)
             # after the first step every arena goes out and comes in as one copy a step
             assert keeper.stats["h2d_bytes"] == 4 * keeper.stats["host_bytes"]
             assert keeper.stats["host_bytes"] >= sum(t.nbytes for t in state)
         runs.append((losses, [p.detach().clone() for p in model.parameters()]))
-    assert runs[0][0] == runs[1][0]
-    for expected, got in zip(runs[0][1], runs[1][1]):
-        assert torch.equal(expected, got)
+    assert_same_runs(runs)
 
 
 def _third_step_peak(attach=None, depth: int = DEPTH, with_the_step: bool = True) -> tuple[int, int, int]:
@@ -86,7 +80,7 @@ def _third_step_peak(attach=None, depth: int = DEPTH, with_the_step: bool = True
     else:
         model(_batch(9)).float().pow(2).mean().backward()
     torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated(), sum(t.nbytes for t in _state_tensors(optimizer)),
+    return (torch.cuda.max_memory_allocated(), sum(t.nbytes for t in state_tensors(optimizer)),
             sum(p.nbytes for p in model.parameters()))
 
 
@@ -121,7 +115,7 @@ def test_a_checkpoint_taken_with_the_state_off_the_gpu_resumes_bitwise(attach):
     attach(optimizer2)
     optimizer2.load_state_dict(ckpt["optimizer"])  # torch puts it on the GPU
     if attach is HostOptimizerState:  # its hook sends it straight back
-        assert all(t.device.type == "cpu" for t in _state_tensors(optimizer2))
+        assert all(t.device.type == "cpu" for t in state_tensors(optimizer2))
     got = [_step(resumed, optimizer2, s) for s in range(3, 6)]
     assert got == expected
     for a, b in zip(model.parameters(), resumed.parameters()):
@@ -188,7 +182,7 @@ def test_the_trainer_stepping_in_backward_trains_and_resumes_bitwise_like_the_st
     pager = run.steps_in_backward
     pager.wait()
     assert pager.stats["pages_stepped"] == 4 * len(pager.pages) and pager.stats["d2h_bytes"] > 0
-    assert all(t.device.type == "cpu" and t.is_pinned() for t in _state_tensors(pager.optimizer))
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in state_tensors(pager.optimizer))
     assert run.losses == plain.losses
     assert all(torch.equal(run_lora[k], plain_lora[k]) for k in plain_lora)
     _fit_tiny_qwen(tmp_path / "resumed", 2, no_clip, paged)
@@ -212,12 +206,10 @@ def test_steps_in_backward_are_bitwise_the_step_after_backward(kind):
         if pager is not None:
             pager.wait()
             assert len(pager.pages) >= DEPTH - 1 and pager.stats["pages_stepped"] == 5 * len(pager.pages)
-            assert all(t.device.type == "cpu" and t.is_pinned() for t in _state_tensors(optimizer))
+            assert all(t.device.type == "cpu" and t.is_pinned() for t in state_tensors(optimizer))
             assert pager.stats["h2d_bytes"] > 0 and pager.stats["late_copies_in"] <= 4  # the first page of each step
         runs.append((losses, [p.detach().clone() for p in model.parameters()]))
-    assert runs[0][0] == runs[1][0]
-    for expected, got in zip(runs[0][1], runs[1][1]):
-        assert torch.equal(expected, got)
+    assert_same_runs(runs)
 
 
 def test_steps_in_backward_keep_state_and_gradients_off_the_backward_peak():
