@@ -89,6 +89,10 @@ class StepInBackward:
                          optimizer.register_load_state_dict_post_hook(self._after_load)]
         self._arenas: list[HostArena] = []  # every page's, for the finalizer to unpin
         weakref.finalize(self, release_all, self._arenas)
+        # State loaded for weights that have no page of their own yet (a resume: pages form in the
+        # first step, in the gradients' order): it waits on the host here, each weight's brought in
+        # for the step of the page it lands in, so the first step's peak is that of any other.
+        self.loaded: StatePage | None = None
 
     # --- backward ---------------------------------------------------------------------------------
     def _on_grad(self, p: nn.Parameter) -> None:
@@ -143,6 +147,8 @@ class StepInBackward:
 
     def _step(self, page: _Page) -> None:
         self._page_in(page)
+        if page.state is None and self.loaded is not None:
+            self._bring_loaded(page)
         if page.state is not None and page.state.arrived is not None:
             torch.cuda.current_stream(self.device).wait_event(page.state.arrived)
         page.sub.state = self.optimizer.state  # load_state_dict() replaces the user's state dict
@@ -200,7 +206,8 @@ class StepInBackward:
 
     def _after_load(self, optimizer) -> None:
         """``load_state_dict`` replaced the state (on the weights' device): into the pages' homes, so
-        the next copy in brings the loaded values, not the ones from before."""
+        the next copy in brings the loaded values, not the ones from before; the rest (weights with
+        no laid-out page yet) into ``loaded``."""
         for page in self.pages:
             if page.state is None:
                 continue
@@ -209,7 +216,36 @@ class StepInBackward:
                 self._page_out(page)
             else:  # the checkpoint holds other state for it: its next step lays it out again
                 page.state = None
+        laid_out = {id(p) for page in self.pages if page.state is not None for p in page.params}
+        entries = [(p, key, value) for p in self.params if id(p) not in laid_out
+                   for key, value in optimizer.state.get(p, {}).items() if moves_to_host(key, value, p)]
+        self._release_loaded()
+        if entries:
+            self.loaded = StatePage(optimizer, entries)
+            self._arenas.append(self.loaded.arena)
+            self.loaded.copy_out(self.d2h)
         self.wait()
+
+    def _bring_loaded(self, page: _Page) -> None:
+        """The loaded state of a page's weights onto the device, for its first step (which then lays
+        it out in the page's own arena); on the compute stream: once, and small."""
+        state, homes = self.optimizer.state, self.loaded.homes
+        for p in page.params:
+            for key, value in state.get(p, {}).items():
+                if homes.get((id(p), key)) is value:
+                    state[p][key] = value.to(self.device, non_blocking=True, copy=True)
+                    self.stats["h2d_bytes"] += value.nbytes
+        if all(self.optimizer.state.get(p, {}).get(k) is not home for p, k, _, home in self.loaded.layout):
+            self._release_loaded()  # every entry has moved on to its page
+
+    def _release_loaded(self) -> None:
+        if self.loaded is None:
+            return
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()  # the copies in have read it
+        self._arenas.remove(self.loaded.arena)
+        self.loaded.arena.release()
+        self.loaded = None
 
     # --- the rest -----------------------------------------------------------------------------------
     def wait(self) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from diffsynth_core.offload.backward_steps import StepInBackward
 
-from offload_tiny import CHAIN_DEPTH as DEPTH, CHAIN_WIDTH as WIDTH, Chain, assert_same_runs
+from offload_tiny import CHAIN_DEPTH as DEPTH, CHAIN_WIDTH as WIDTH, Chain, assert_same_runs, state_tensors
 from offload_tiny import chain_optimizer as _optimizer, train_chain as _train
 
 
@@ -66,9 +66,13 @@ def test_a_checkpoint_resumes_bitwise():
     resumed = Chain(checkpointed=True)
     resumed.load_state_dict(ckpt["model"])
     optimizer = _optimizer("adamw", resumed.parameters())
-    StepInBackward(optimizer, page_bytes=WIDTH * WIDTH * 4)
+    pager = StepInBackward(optimizer, page_bytes=WIDTH * WIDTH * 4)
     optimizer.load_state_dict(ckpt["optimizer"])
+    # no page is laid out before the first step: the loaded state waits in one host arena meanwhile
+    homes = set(map(id, pager.loaded.homes.values()))
+    assert homes == {id(t) for t in state_tensors(optimizer)} and len(homes) == 2 * len(list(resumed.parameters()))
     assert _train(resumed, optimizer, range(3, 6)) == expected
+    assert pager.loaded is None  # every weight's state moved on to its page in the first step
     for a, b in zip(model.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
 
