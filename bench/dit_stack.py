@@ -88,7 +88,7 @@ class Stack(nn.Module):
         return x
 
 
-SIZES = {"full": (24, 3072, 4096), "quick": (6, 1024, 1024)}
+SIZES = {"full": (24, 3072, 4096), "quick": (6, 1024, 1024), "tiny": (4, 256, 256)}  # tiny: a CPU check of the scripts
 
 
 def build(size: str, device: torch.device, seed: int = 0, lora_input: str = "narrow",

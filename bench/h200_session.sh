@@ -14,6 +14,10 @@
 #                                                # (QWEN_ROWS=...: Qwen-Image rows after them)
 #   bench/h200_session.sh bwdstep MUSUBI_FILE    # steps during backward (StepInBackward): GPU tests, stack rows
 #                                                # (SKIP_NONFINITE=1: as the Trainer runs it)
+#   bench/h200_session.sh interleave MUSUBI_FILE # the 12-of-24 row and resident alternately in one process
+#                                                # (PAIRS=6; INTERLEAVE=rows; COPIES=1: the copies alone),
+#                                                # the optimizer toy with its GPU-step row (OPTIM=0: not),
+#                                                # and the optimizer-state GPU tests
 # Install the carried wheels with --no-deps (pip --target resolves dependencies only among the
 # wheels given, and the machine's own anyio etc. are not among them):
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
@@ -35,6 +39,14 @@ benches)
   timeout 170 python3 -m bench.side_by_side --musubi-file "$2" --out "$OUT/side_by_side_h200.json" > /dev/null
   timeout "$(left)" python3 -m bench.offload --cases optim,qwen20b,fp8_loss,determinism \
     --out "$OUT/offload_h200.json" > /dev/null
+  ;;
+interleave)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/offload/test_optimizer_state_gpu.py \
+    > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
+  timeout "${SBS_S:-240}" python3 -m bench.side_by_side --musubi-file "$2" --rows budget_12_of_24_act \
+    --interleave "${INTERLEAVE:-budget_12_of_24_act}" ${COPIES:+--copies} --pairs "${PAIRS:-6}" --out "$OUT/side_by_side_interleaved_h200.json" > /dev/null
+  [ "${OPTIM:-1}" = 0 ] || timeout "$(left)" python3 -m bench.offload --cases optim \
+    --out "$OUT/offload_optim_gpustep_h200.json" > /dev/null
   ;;
 peak)
   timeout 60 python3 -m pytest -q -p no:cacheprovider -k "not nccl and not optimizer" \

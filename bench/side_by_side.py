@@ -19,7 +19,11 @@ runs it under ``offload.optimizer_step_in_backward``); and musubi's offloader
 (``bench/musubi_harness.py``) with 24 and with 12 blocks swapped.  Prints one JSON document: s/step
 (median), peak ``max_memory_allocated``, host->device bytes per step, and ratios to
 ``bound = max(resident s/step, bytes / pinned bandwidth)``.  Without ``--musubi-file`` the musubi
-rows are skipped.  ``--size quick --device cpu`` checks the
+rows are skipped.  ``--interleave ROW[,ROW]`` also runs resident and each ROW alternately in one
+process (``bench/interleaved.py``: ratios free of the drift between processes; ``static_12_of_24``:
+12 blocks kept by ``resident_gb``, evenly spaced over all 24 as musubi places them; ``resident_act``:
+resident with the block inputs offloaded; ``_p2``: three slots, ``prefetch=2``), ``--copies``
+resident against resident with a block's bytes copied beside it.  ``--size tiny --device cpu`` checks the
 script on a machine without a GPU (our rows only).
 """
 
@@ -43,18 +47,23 @@ ROWS = ("streamed", "streamed_split", "fp8_streamed", "streamed_act", "fp8_strea
         "streamed_hostopt_early_act", "streamed_act_hoststate", "streamed_act_bwdstep", "budget_12_of_24",
         "budget_12_of_24_act", "budget_12_of_24_act_hoststate", "budget_12_of_24_act_bwdstep")
 BUDGET = "budget_12_of_24"
+STATIC = "static_12_of_24"  # interleaved only: offload.resident_gb (evenly spaced over all 24, as musubi places them)
 
 
 def engine_options(mode: str, size: str, budget_gib: float | None) -> dict:
     """Our engine's options for each row."""
     linear = 4 * SIZES[size][1] ** 2 * 2  # the largest Linear of a block (up/down: 4·w²), bf16 bytes
-    # "_hoststate", "_bwdstep", "_act", "_early": set in run_worker
-    mode = mode.removesuffix("_hoststate").removesuffix("_bwdstep").removesuffix("_act").removesuffix("_early")
+    # "_hoststate", "_bwdstep", "_act", "_early": set in run_worker; "_p2" (interleaved only): three slots
+    slots3 = mode.endswith("_p2")
+    mode = mode.removesuffix("_p2").removesuffix("_hoststate").removesuffix("_bwdstep").removesuffix("_act")
+    mode = mode.removesuffix("_early")
     host_optimizer = mode.endswith("_hostopt")
     opts = {"streamed": dict(prefetch=1),
             "streamed_split": dict(prefetch=2, cpu_offload_split_threshold=1.2 * linear / MIB),
             "fp8_streamed": dict(prefetch=1, storage_dtype=torch.float8_e4m3fn),
-            BUDGET: dict(prefetch=1, vram_budget_gb=budget_gib)}[mode.removesuffix("_hostopt")]
+            BUDGET: dict(prefetch=1, vram_budget_gb=budget_gib),
+            STATIC: dict(prefetch=1, resident_gb=budget_gib)}[mode.removesuffix("_hostopt")]
+    opts = {**opts, "prefetch": 2} if slots3 else opts
     return {**opts, "enable_optimizer_cpu_offload": True} if host_optimizer else opts
 
 
@@ -155,6 +164,10 @@ def orchestrate(args) -> dict:
     rows["resident"] = _spawn(["-m", "bench.side_by_side", "--worker", "resident", *ours])
     # A budget row plans from the matching all-streamed row's peak: asking for it runs that row too.
     budgets = [mode for mode in ROWS if mode.startswith(BUDGET) and mode in args.rows]
+    # interleaved budget rows plan from the same all-streamed row; --copies copies its block's bytes
+    args.rows = [*args.rows, *(m.removesuffix("_p2").replace(BUDGET, "streamed").replace(STATIC, "streamed")
+                               for m in args.interleave),
+                 *(["streamed_act"] if args.copies else [])]
     wanted = set(args.rows) | {mode.replace(BUDGET, "streamed") for mode in budgets}
     for mode in ROWS:
         if mode in wanted and not mode.startswith(BUDGET):
@@ -164,11 +177,21 @@ def orchestrate(args) -> dict:
         if not streamed.get("peak_gib"):
             rows[mode] = {"error": f"{mode.replace(BUDGET, 'streamed')} gave no peak to plan from"}
         else:
-            # Room for 12.5 blocks above what the all-streamed step peaks at (+ the planner's margin):
-            # the planner then keeps 12 of the 24 blocks resident.
-            room = streamed["peak_gib"] + 12.5 * streamed["unit_gib"] + 256 * MIB / GIB
             rows[mode] = _spawn(["-m", "bench.side_by_side", "--worker", mode, *ours,
-                                 "--budget-gib", f"{room / 0.98:.4f}"])
+                                 "--budget-gib", f"{budget_gib(streamed):.4f}"])
+    for mode in args.interleave:  # resident and one of our rows alternately in one process (bench/interleaved.py)
+        streamed = rows.get(mode.removesuffix("_p2").replace(BUDGET, "streamed").replace(STATIC, "streamed"), {})
+        budget = []
+        if mode.startswith(BUDGET):
+            budget = ["--budget-gib", f"{budget_gib(streamed):.4f}"] if streamed.get("peak_gib") else None
+        elif mode.startswith(STATIC):  # 12 of the 24 blocks, evenly spaced, without measuring
+            budget = ["--budget-gib", f"{12.5 * streamed['unit_gib']:.4f}"] if streamed.get("unit_gib") else None
+        rows[f"interleaved_{mode}"] = {"error": "no all-streamed row to plan from"} if budget is None else \
+            _spawn(["-m", "bench.interleaved", "--mode", mode, "--pairs", str(args.pairs), *common, *budget])
+    if args.copies and rows.get("streamed_act", {}).get("unit_gib"):  # a block's bytes, moved by no engine
+        rows["interleaved_resident_copies"] = _spawn(["-m", "bench.interleaved", "--mode", "resident_copies",
+                                                      "--copy-gib", str(rows["streamed_act"]["unit_gib"]),
+                                                      "--pairs", str(args.pairs), *common])
     if args.musubi_file and device.type == "cuda":
         for swap in (SIZES[args.size][0], SIZES[args.size][0] // 2):
             rows[f"musubi_swap_{swap}"] = _spawn(["-m", "bench.musubi_harness", "--musubi-file", args.musubi_file,
@@ -180,10 +203,17 @@ def orchestrate(args) -> dict:
             "rows": dict(rows)}
 
 
+def budget_gib(streamed: dict) -> float:
+    """The budget of the ``budget_12_of_24`` rows: room for 12.5 blocks above what the matching
+    all-streamed step peaks at, plus the planner's margin, so that it keeps 12 of the 24 resident."""
+    room = streamed["peak_gib"] + 12.5 * streamed["unit_gib"] + 256 * MIB / GIB
+    return room / 0.98
+
+
 def summarise(rows: dict, bandwidth: float | None) -> None:
     resident = rows["resident"].get("step_s")
     for name, row in rows.items():
-        if name == "resident" or "step_s" not in row or not resident:
+        if name == "resident" or "step_s" not in row or not resident or name.startswith("interleaved_"):
             continue
         bound = max(resident, row["h2d_gb_per_step"] / bandwidth) if bandwidth else resident
         row.update(bound_s=bound, step_over_bound=row["step_s"] / bound, step_over_resident=row["step_s"] / resident)
@@ -207,10 +237,20 @@ def main() -> None:
     ap.add_argument("--musubi-file", default=None, help="musubi-tuner's custom_offloading_utils.py (not shipped)")
     ap.add_argument("--rows", default=",".join(ROWS), type=lambda v: v.split(","),
                     help="which of our rows to run (resident always runs)")
+    interleavable = [m for m in ROWS if "_host" not in m and "_bwdstep" not in m] + [STATIC, f"{STATIC}_act"]
+    interleavable = [*interleavable, *(f"{m}_p2" for m in interleavable if m != "resident_act"), "resident_act"]
+    ap.add_argument("--interleave", default=[], type=lambda v: v.split(","),
+                    help=f"also run resident and each of these rows alternately in one process (ratios free of "
+                         f"the drift between processes; a row's own prerequisites run first): {interleavable}")
+    ap.add_argument("--pairs", type=int, default=6, help="--interleave: resident/row pairs")
+    ap.add_argument("--copies", action="store_true", help="--interleave: also resident against resident with a "
+                    "block's bytes copied to the GPU beside every other block (what the copies alone cost)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--budget-gib", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if set(args.interleave) - set(interleavable):
+        ap.error(f"--interleave takes {interleavable}, got {args.interleave}")
     if args.worker:
         print(json.dumps(run_worker(args)))
         return

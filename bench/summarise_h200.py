@@ -10,7 +10,8 @@ import json
 import sys
 from pathlib import Path
 
-STACK_KEYS = ("step_s", "step_over_bound", "step_over_resident", "peak_gib", "h2d_gb_per_step", "stalls", "error")
+STACK_KEYS = ("step_s", "step_over_bound", "step_over_resident", "median_pair_ratio", "pooled_ratio", "peak_gib",
+              "h2d_gb_per_step", "stalls", "error")  # median_pair_ratio, pooled_ratio: interleaved rows
 OFFLOAD_KEYS = ("step_s", "step_over_resident", "step_over_resident_compiled", "host_issue_s",
                 "step_over_max_gpu_or_cpu_adamw", "gpu_peak_torch_gb",
                 "gpu_peak_nvml_gb", "host_peak_over_dit", "budget_units", "compact_units", "h2d_gb_per_step",
