@@ -105,6 +105,25 @@ def build(size: str, device: torch.device, seed: int = 0, lora_input: str = "nar
     return model, x
 
 
+def stack_step(model, x, opt, mgr=None, guarded=None):
+    """One training step of the stack as the benches time it (returns the loss); ``mgr``: our
+    engine, told when backward has ended; ``guarded``: a ``StepInBackward`` with ``skip_nonfinite``,
+    run as the Trainer runs it under ``offload.optimizer_step_in_backward``."""
+    def step():
+        loss = model(x).float().pow(2).mean()
+        if guarded is not None:
+            guarded.watch_loss(loss)
+        loss.backward()
+        if guarded is not None:
+            assert guarded.take_skipped() == 0  # the Trainer reads the count once a step (it syncs, as loss.item())
+        if mgr is not None:
+            mgr.after_backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step
+
+
 def timed_steps(step, device: torch.device, steps: int, warmup: int) -> dict:
     """Run ``step()`` (one optimizer step, returns the loss) ``warmup + steps`` times; median wall
     time per step and ``max_memory_allocated`` over the timed steps."""

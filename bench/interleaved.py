@@ -20,7 +20,7 @@ import statistics
 
 import torch
 
-from bench.dit_stack import LORA_INPUTS, SIZES, build, timed_steps
+from bench.dit_stack import LORA_INPUTS, SIZES, build, stack_step, timed_steps
 from bench.side_by_side import engine_options
 
 
@@ -57,16 +57,7 @@ def segment(model, x, opt, device, mode: str, args) -> dict:
         mgr = OffloadTrainingManager(model, device, block_container_names=("blocks",),
                                      **engine_options(mode, args.size, args.budget_gib))
 
-    def step():
-        loss = model(x).float().pow(2).mean()
-        loss.backward()
-        if mgr is not None:
-            mgr.after_backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    out = timed_steps(step, device, args.steps, args.warmup)
+    out = timed_steps(stack_step(model, x, opt, mgr), device, args.steps, args.warmup)
     out.pop("losses")
     if mgr is not None:
         rep = mgr.report()

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from bench.dit_stack import LORA_INPUTS, SIZES, build, pinned_bandwidth, timed_steps
+from bench.dit_stack import LORA_INPUTS, SIZES, build, pinned_bandwidth, stack_step, timed_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB, GIB = 2**20, 2**30
@@ -104,20 +104,7 @@ def run_worker(args) -> dict:
         pager = StepInBackward(opt, skip_nonfinite=args.skip_nonfinite)
         guarded = pager if args.skip_nonfinite else None
 
-    def step():
-        loss = model(x).float().pow(2).mean()
-        if guarded is not None:
-            guarded.watch_loss(loss)
-        loss.backward()
-        if guarded is not None:
-            assert guarded.take_skipped() == 0  # the Trainer reads the count once a step (it syncs, as loss.item())
-        if mgr is not None:
-            mgr.after_backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    out = timed_steps(step, device, args.steps, args.warmup)
+    out = timed_steps(stack_step(model, x, opt, mgr, guarded), device, args.steps, args.warmup)
     if mgr is not None:
         rep = mgr.report()
         out.update(h2d_gb_per_step=rep["last_step_h2d_bytes"] / 1e9, units=rep["units"],
