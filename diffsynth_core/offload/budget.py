@@ -13,7 +13,8 @@ step records every use of every unit (forward, recompute, backward) and a replay
 the slots keep across the forward->backward turn (and, for frozen weights, across the
 backward->forward turn into the next step).  Units are taken by bytes saved per device byte, and
 among equals spread evenly over the execution order, so the copies of the streamed ones overlap
-the compute of the resident ones between them.  A unit stored in another dtype (fp8) is kept on
+the compute of the resident ones between them; when the same number spread over every unit copies
+no more bytes and leaves fewer streamed units back to back, that plan is taken instead.  A unit stored in another dtype (fp8) is kept on
 the device *as stored* ("compact": half the bytes of bf16 for the same bytes saved) and widened
 into a slot at each use like a streamed one, without crossing PCIe; only when every unit fits
 that way does the rest of the budget keep some of them widened (no widening, no slot).  The same
@@ -119,6 +120,7 @@ def plan_residency(units: list[Unit], uses: list[int], n_slots: int, room: int) 
     # Copied bytes saved per device byte spent; among equals, a unit that needs no widening wins.
     value = {u.index: (round(loads[u.index] * u.host_bytes / device_cost(u), 3), not u.casts) for u in candidates}
     chosen: list[Unit] = []
+    spread = _evenly_spaced(sorted(candidates, key=lambda u: position[u.index]), room, device_cost)
     for v in sorted(set(value.values()), reverse=True):
         if v[0] <= 0:
             break
@@ -126,6 +128,16 @@ def plan_residency(units: list[Unit], uses: list[int], n_slots: int, room: int) 
         picked = _evenly_spaced(group, room, device_cost)
         room -= sum(device_cost(u) for u in picked)
         chosen.extend(picked)
+    if chosen and not any(u.casts for u in candidates):
+        # Taking the most-saving units first can leave streamed units back to back (the ones at the
+        # turns save one copy, not two, so none of them is kept); the same number spread over every
+        # unit often copies as many bytes, and then wins: each copy has more compute to hide behind.
+        planned = {name: _planned_bytes(uses, order, {u.index for u in kept}, n_slots, keep_across, by_index)
+                   for name, kept in (("greedy", chosen), ("spread", spread))}
+        if planned["spread"] <= planned["greedy"] and \
+                _back_to_back(uses, {u.index for u in spread}, by_index) < \
+                _back_to_back(uses, {u.index for u in chosen}, by_index):
+            chosen = spread
     compact = [u for u in chosen if u.casts]
     if len(chosen) == len(candidates) and compact:  # every unit fits as stored: widen what still fits
         widened = _evenly_spaced(sorted(compact, key=lambda u: position[u.index]), room,
@@ -139,6 +151,20 @@ def plan_residency(units: list[Unit], uses: list[int], n_slots: int, room: int) 
     on_device = {u.index for u in compact}  # widened from their device copy: nothing crosses PCIe
     return ByteBudget(resident, sum(n * by_index[i].host_bytes for i, n in after.items() if i not in on_device),
                       sum(n * by_index[i].host_bytes for i, n in loads.items()), compact)
+
+
+def _planned_bytes(uses: list[int], order: list[int], kept: set[int], n_slots: int, keep_across: set[int],
+                   by_index: dict[int, Unit]) -> int:
+    """Host->device bytes a step with the units in ``kept`` resident (none stored in another dtype)."""
+    after = simulate_loads(uses, [i for i in order if i not in kept], n_slots, keep_across)
+    return sum(n * by_index[i].host_bytes for i, n in after.items())
+
+
+def _back_to_back(uses: list[int], kept: set[int], by_index: dict[int, Unit]) -> int:
+    """Streamed units right after another streamed one in the forward: each copy has only the unit
+    before it to hide behind."""
+    streamed = [i not in kept and by_index[i].dev_bytes > 0 for i in forward_order(uses) if i in by_index]
+    return sum(a and b for a, b in zip(streamed, streamed[1:]))
 
 
 def static_residency(units: list[Unit], room: int) -> list[Unit]:

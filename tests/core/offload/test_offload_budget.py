@@ -32,14 +32,36 @@ def _step_uses(n: int) -> list[int]:
 
 def test_units_that_save_most_copied_bytes_stay_spread_evenly():
     units = _units([(100, 100)] * 8)
-    plan = plan_residency(units, _step_uses(8), n_slots=2, room=350)
+    plan = plan_residency(units, _step_uses(8), n_slots=2, room=250)
     # Blocks 0, 1 and 6, 7 cost one copy a step (the slots keep them across the turns); of the
-    # two-copy blocks 2..5, three fit, evenly spread.
-    assert [u.index for u in plan.resident] == [2, 4, 5]
+    # two-copy blocks 2..5, two fit, evenly spread (two spread over all eight, 2 and 6, copy as many
+    # bytes and leave as many streamed blocks back to back: no reason to prefer them).
+    assert [u.index for u in plan.resident] == [3, 5]
     assert plan.streamed_bytes == 100 * (8 * 2 - 4)
-    streamed = [0, 1, 3, 6, 7]
-    loads = simulate_loads(_step_uses(8), streamed, 2, set(range(8)))
-    assert plan.planned_bytes == 100 * sum(loads.values()) == plan.streamed_bytes - 3 * 2 * 100
+    loads = simulate_loads(_step_uses(8), [0, 1, 2, 4, 6, 7], 2, set(range(8)))
+    assert plan.planned_bytes == 100 * sum(loads.values()) == plan.streamed_bytes - 2 * 2 * 100
+
+
+def _back_to_back(resident: list[int], n: int) -> int:
+    """Streamed blocks right after a streamed one in the forward (blocks in order 0..n-1)."""
+    streamed = [i not in resident for i in range(n)]
+    return sum(a and b for a, b in zip(streamed, streamed[1:]))
+
+
+@pytest.mark.parametrize("n, kept", [(8, 3), (24, 12)])
+def test_a_plan_spread_over_every_unit_wins_when_it_copies_no_more(n, kept):
+    """Taken by bytes saved alone, the turn units (one copy a step) stay streamed and end up back to
+    back with their neighbours (0, 1 and n-2, n-1), each copy hidden behind one unit's compute only.
+    Spread evenly over all n, the same number kept copies as many bytes (other units are then kept
+    across the turns) with fewer streamed units back to back: that plan is taken."""
+    units = _units([(100, 100)] * n)
+    plan = plan_residency(units, _step_uses(n), n_slots=2, room=kept * 100 + 50)
+    by_value = {8: [2, 4, 5], 24: [2, 4, 6, 7, 9, 11, 12, 14, 16, 17, 19, 21]}[n]  # the plan before
+    spread = {8: [1, 4, 6], 24: list(range(1, 24, 2))}[n]  # as musubi-tuner places its resident blocks
+    assert [u.index for u in plan.resident] == spread
+    loads = simulate_loads(_step_uses(n), [i for i in range(n) if i not in by_value], 2, set(range(n)))
+    assert plan.planned_bytes == 100 * sum(loads.values())  # no more bytes than the plan by value alone
+    assert _back_to_back(spread, n) < _back_to_back(by_value, n)
 
 
 def test_fp8_stored_units_are_kept_as_stored_and_widened_only_when_all_fit():
