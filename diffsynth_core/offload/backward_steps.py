@@ -215,6 +215,9 @@ class StepInBackward:
             if all(key in optimizer.state.get(p, {}) for p, key, _, _ in page.state.layout):
                 self._page_out(page)
             else:  # the checkpoint holds other state for it: its next step lays it out again
+                if self.cuda:
+                    torch.cuda.synchronize(self.device)  # no copy either way still uses its arena
+                self._drop_arena(page.state.arena)
                 page.state = None
         laid_out = {id(p) for page in self.pages if page.state is not None for p in page.params}
         entries = [(p, key, value) for p in self.params if id(p) not in laid_out
@@ -243,9 +246,13 @@ class StepInBackward:
             return
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()  # the copies in have read it
-        self._arenas.remove(self.loaded.arena)
-        self.loaded.arena.release()
+        self._drop_arena(self.loaded.arena)
         self.loaded = None
+
+    def _drop_arena(self, arena: HostArena) -> None:
+        """Unpin an arena no entry points at any more, now rather than when the pager goes."""
+        self._arenas.remove(arena)
+        arena.release()
 
     # --- the rest -----------------------------------------------------------------------------------
     def wait(self) -> None:

@@ -84,6 +84,21 @@ def test_loading_a_checkpoint_into_a_running_pager_replaces_the_paged_state():
     assert _train(model, optimizer, range(3, 6)) == expected
 
 
+def test_a_checkpoint_without_the_pages_state_drops_their_arenas_and_steps_like_a_fresh_optimizer():
+    model = Chain(checkpointed=True)
+    optimizer = _optimizer("adamw", model.parameters())
+    empty = optimizer.state_dict()  # taken before any step: no state per weight
+    pager = StepInBackward(optimizer, page_bytes=WIDTH * WIDTH * 4)
+    _train(model, optimizer, range(3))
+    assert pager._arenas and all(page.state is not None for page in pager.pages)
+    optimizer.load_state_dict(empty)
+    assert pager._arenas == [] and all(page.state is None for page in pager.pages)  # unpinned now
+    fresh = Chain(checkpointed=True)
+    fresh.load_state_dict(model.state_dict())
+    expected = _train(fresh, _optimizer("adamw", fresh.parameters()), range(3, 5))
+    assert _train(model, optimizer, range(3, 5)) == expected
+
+
 def test_gradient_accumulation_is_refused_in_one_line():
     model = Chain(checkpointed=False)
     optimizer = _optimizer("adamw", model.parameters())
