@@ -14,10 +14,11 @@ the slots keep across the forward->backward turn (and, for frozen weights, acros
 backward->forward turn into the next step).  Units are taken by bytes saved per device byte, and
 among equals spread evenly over the execution order, so the copies of the streamed ones overlap
 the compute of the resident ones between them; when the same number spread over every unit copies
-no more bytes and leaves fewer streamed units back to back, that plan is taken instead.  A unit stored in another dtype (fp8) is kept on
-the device *as stored* ("compact": half the bytes of bf16 for the same bytes saved) and widened
-into a slot at each use like a streamed one, without crossing PCIe; only when every unit fits
-that way does the rest of the budget keep some of them widened (no widening, no slot).  The same
+no more bytes and leaves fewer streamed units back to back, that plan is taken instead.  A unit
+stored in another dtype (fp8) is kept on the device *as stored* ("compact": half the bytes of bf16
+for the same bytes saved) and widened into a slot at each use like a streamed one, without
+crossing PCIe; only when every unit fits that way does the rest of the budget keep some of them
+widened (no widening, no slot).  The same
 replay, run on the final plan, gives the planned bytes per step that ``report()`` sets beside the
 measured ones.
 """
