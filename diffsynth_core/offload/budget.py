@@ -18,9 +18,8 @@ no more bytes and leaves fewer streamed units back to back, that plan is taken i
 stored in another dtype (fp8) is kept on the device *as stored* ("compact": half the bytes of bf16
 for the same bytes saved) and widened into a slot at each use like a streamed one, without
 crossing PCIe; only when every unit fits that way does the rest of the budget keep some of them
-widened (no widening, no slot).  The same
-replay, run on the final plan, gives the planned bytes per step that ``report()`` sets beside the
-measured ones.
+widened (no widening, no slot).  The same replay, run on the final plan, gives the planned bytes
+per step that ``report()`` sets beside the measured ones.
 """
 
 from __future__ import annotations
