@@ -152,22 +152,21 @@ def orchestrate(args) -> dict:
     # A budget row plans from the matching all-streamed row's peak: asking for it runs that row too.
     budgets = [mode for mode in ROWS if mode.startswith(BUDGET) and mode in args.rows]
     # interleaved budget rows plan from the same all-streamed row; --copies copies its block's bytes
-    args.rows = [*args.rows, *(m.removesuffix("_p2").replace(BUDGET, "streamed").replace(STATIC, "streamed")
-                               for m in args.interleave),
+    args.rows = [*args.rows, *map(all_streamed, args.interleave),
                  *(["streamed_act"] if args.copies else [])]
-    wanted = set(args.rows) | {mode.replace(BUDGET, "streamed") for mode in budgets}
+    wanted = set(args.rows) | set(map(all_streamed, budgets))
     for mode in ROWS:
         if mode in wanted and not mode.startswith(BUDGET):
             rows[mode] = _spawn(["-m", "bench.side_by_side", "--worker", mode, *ours])
     for mode in budgets:
-        streamed = rows.get(mode.replace(BUDGET, "streamed"), {})
+        streamed = rows.get(all_streamed(mode), {})
         if not streamed.get("peak_gib"):
-            rows[mode] = {"error": f"{mode.replace(BUDGET, 'streamed')} gave no peak to plan from"}
+            rows[mode] = {"error": f"{all_streamed(mode)} gave no peak to plan from"}
         else:
             rows[mode] = _spawn(["-m", "bench.side_by_side", "--worker", mode, *ours,
                                  "--budget-gib", f"{budget_gib(streamed):.4f}"])
     for mode in args.interleave:  # resident and one of our rows alternately in one process (bench/interleaved.py)
-        streamed = rows.get(mode.removesuffix("_p2").replace(BUDGET, "streamed").replace(STATIC, "streamed"), {})
+        streamed = rows.get(all_streamed(mode), {})
         budget = []
         if mode.startswith(BUDGET):
             budget = ["--budget-gib", f"{budget_gib(streamed):.4f}"] if streamed.get("peak_gib") else None
@@ -188,6 +187,12 @@ def orchestrate(args) -> dict:
     return {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
             "size": dict(zip(("blocks", "width", "tokens"), SIZES[args.size])), "h2d_pinned_gb_s": bandwidth,
             "rows": dict(rows)}
+
+
+def all_streamed(mode: str) -> str:
+    """The all-streamed row a budget or static row plans from (``budget_12_of_24_act_p2``:
+    ``streamed_act``); another row is its own."""
+    return mode.removesuffix("_p2").replace(BUDGET, "streamed").replace(STATIC, "streamed")
 
 
 def budget_gib(streamed: dict) -> float:

@@ -93,6 +93,7 @@ class StepInBackward:
         # first step, in the gradients' order): it waits on the host here, each weight's brought in
         # for the step of the page it lands in, so the first step's peak is that of any other.
         self.loaded: StatePage | None = None
+        self.loaded_left = 0  # its entries not yet brought in
 
     # --- backward ---------------------------------------------------------------------------------
     def _on_grad(self, p: nn.Parameter) -> None:
@@ -224,7 +225,7 @@ class StepInBackward:
                    for key, value in optimizer.state.get(p, {}).items() if moves_to_host(key, value, p)]
         self._release_loaded()
         if entries:
-            self.loaded = StatePage(optimizer, entries)
+            self.loaded, self.loaded_left = StatePage(optimizer, entries), len(entries)
             self._arenas.append(self.loaded.arena)
             self.loaded.copy_out(self.d2h)
         self.wait()
@@ -238,7 +239,8 @@ class StepInBackward:
                 if homes.get((id(p), key)) is value:
                     state[p][key] = value.to(self.device, non_blocking=True, copy=True)
                     self.stats["h2d_bytes"] += value.nbytes
-        if all(self.optimizer.state.get(p, {}).get(k) is not home for p, k, _, home in self.loaded.layout):
+                    self.loaded_left -= 1
+        if not self.loaded_left:
             self._release_loaded()  # every entry has moved on to its page
 
     def _release_loaded(self) -> None:

@@ -117,10 +117,16 @@ def plan_residency(units: list[Unit], uses: list[int], n_slots: int, room: int) 
     keep_across = {u.index for u in candidates}
     loads = simulate_loads(uses, order, n_slots, keep_across)
 
+    def planned_bytes(kept: set[int], on_device: set[int] = frozenset()) -> int:
+        """Host->device bytes a step with ``kept`` resident; ``on_device`` (compact) units pass through
+        the slots without a copy."""
+        after = simulate_loads(uses, [i for i in order if i not in kept], n_slots, keep_across)
+        return sum(n * by_index[i].host_bytes for i, n in after.items() if i not in on_device)
+
     # Copied bytes saved per device byte spent; among equals, a unit that needs no widening wins.
     value = {u.index: (round(loads[u.index] * u.host_bytes / device_cost(u), 3), not u.casts) for u in candidates}
     chosen: list[Unit] = []
-    spread = _evenly_spaced(sorted(candidates, key=lambda u: position[u.index]), room, device_cost)
+    whole_room = room
     for v in sorted(set(value.values()), reverse=True):
         if v[0] <= 0:
             break
@@ -132,11 +138,10 @@ def plan_residency(units: list[Unit], uses: list[int], n_slots: int, room: int) 
         # Taking the most-saving units first can leave streamed units back to back (the ones at the
         # turns save one copy, not two, so none of them is kept); the same number spread over every
         # unit often copies as many bytes, and then wins: each copy has more compute to hide behind.
-        planned = {name: _planned_bytes(uses, order, {u.index for u in kept}, n_slots, keep_across, by_index)
-                   for name, kept in (("greedy", chosen), ("spread", spread))}
-        if planned["spread"] <= planned["greedy"] and \
-                _back_to_back(uses, {u.index for u in spread}, by_index) < \
-                _back_to_back(uses, {u.index for u in chosen}, by_index):
+        spread = _evenly_spaced(sorted(candidates, key=lambda u: position[u.index]), whole_room, device_cost)
+        by_value, evenly = {u.index for u in chosen}, {u.index for u in spread}
+        if planned_bytes(evenly) <= planned_bytes(by_value) and \
+                _back_to_back(uses, evenly, by_index) < _back_to_back(uses, by_value, by_index):
             chosen = spread
     compact = [u for u in chosen if u.casts]
     if len(chosen) == len(candidates) and compact:  # every unit fits as stored: widen what still fits
@@ -145,19 +150,9 @@ def plan_residency(units: list[Unit], uses: list[int], n_slots: int, room: int) 
         compact = [u for u in compact if u not in widened]
     resident = sorted((u for u in chosen if u not in compact), key=lambda u: position[u.index])
     compact.sort(key=lambda u: position[u.index])
-    kept = {u.index for u in resident}
-    streamed = [i for i in order if i not in kept]  # compact units still pass through the slots
-    after = simulate_loads(uses, streamed, n_slots, keep_across)
-    on_device = {u.index for u in compact}  # widened from their device copy: nothing crosses PCIe
-    return ByteBudget(resident, sum(n * by_index[i].host_bytes for i, n in after.items() if i not in on_device),
+    # compact units still pass through the slots, widened from their device copy: nothing crosses PCIe
+    return ByteBudget(resident, planned_bytes({u.index for u in resident}, {u.index for u in compact}),
                       sum(n * by_index[i].host_bytes for i, n in loads.items()), compact)
-
-
-def _planned_bytes(uses: list[int], order: list[int], kept: set[int], n_slots: int, keep_across: set[int],
-                   by_index: dict[int, Unit]) -> int:
-    """Host->device bytes a step with the units in ``kept`` resident (none stored in another dtype)."""
-    after = simulate_loads(uses, [i for i in order if i not in kept], n_slots, keep_across)
-    return sum(n * by_index[i].host_bytes for i, n in after.items())
 
 
 def _back_to_back(uses: list[int], kept: set[int], by_index: dict[int, Unit]) -> int:
