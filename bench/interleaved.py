@@ -15,6 +15,7 @@ the median of their ratios, the ratio of the pooled medians, and each side's pea
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 
@@ -42,10 +43,11 @@ def copies_beside_compute(model, device, nbytes: int) -> list:
     return [block.register_forward_pre_hook(copy) for block in model.blocks[1::2]]
 
 
-def segment(model, x, opt, device, mode: str, args) -> dict:
-    """Steps of one side: ``mode`` "resident" (``resident_copies``: with copies beside it;
-    ``resident_act``: with the checkpointed block inputs in host memory), or one of our rows attached
-    for the segment only."""
+@contextlib.contextmanager
+def side(model, device, mode: str, args):
+    """``model`` set up as one side runs: ``mode`` "resident" (``resident_copies``: with copies beside
+    it; ``resident_act``: with the checkpointed block inputs in host memory), or one of our rows
+    attached; yields our engine (``None`` when resident) and undoes everything on exit."""
     from diffsynth_core.gradient import apply_gradient_checkpointing, remove_gradient_checkpointing
     from diffsynth_core.offload import OffloadTrainingManager
 
@@ -56,19 +58,28 @@ def segment(model, x, opt, device, mode: str, args) -> dict:
     elif not mode.startswith("resident"):  # resident_act: resident, block inputs offloaded
         mgr = OffloadTrainingManager(model, device, block_container_names=("blocks",),
                                      **engine_options(mode, args.size, args.budget_gib))
+    try:
+        yield mgr
+    finally:
+        if mgr is not None:
+            mgr.detach()
+        for hook in hooks:
+            hook.remove()
+        remove_gradient_checkpointing(model, ("blocks",))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
-    out = timed_steps(stack_step(model, x, opt, mgr), device, args.steps, args.warmup)
-    out.pop("losses")
-    if mgr is not None:
-        rep = mgr.report()
-        out.update(resident_units=rep["budget_units"], stalls=rep["stalls"],
-                   resident_at=sorted(u.index for u in mgr.plan.budget), h2d_gb_per_step=rep["last_step_h2d_bytes"] / 1e9)
-        mgr.detach()
-    for hook in hooks:
-        hook.remove()
-    remove_gradient_checkpointing(model, ("blocks",))
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+
+def segment(model, x, opt, device, mode: str, args) -> dict:
+    """Timed steps of one side (see ``side``)."""
+    with side(model, device, mode, args) as mgr:
+        out = timed_steps(stack_step(model, x, opt, mgr), device, args.steps, args.warmup)
+        out.pop("losses")
+        if mgr is not None:
+            rep = mgr.report()
+            out.update(resident_units=rep["budget_units"], stalls=rep["stalls"],
+                       resident_at=sorted(u.index for u in mgr.plan.budget),
+                       h2d_gb_per_step=rep["last_step_h2d_bytes"] / 1e9)
     return out
 
 
