@@ -256,10 +256,10 @@ class StepProfiler:
     per CUDA stream (``summary()``, after training, so the export is not timed as a step): how long
     each stream was busy within the step (union of its kernels and copies), and its five costliest
     names.  The compute stream's idle time is what the step spent waiting (for copies, widenings or
-    the host)."""
+    the host); ``min_gap_us``: the shortest idle stretch counted as a gap."""
 
-    def __init__(self, step: int):
-        self.step, self.prof = step, None
+    def __init__(self, step: int, min_gap_us: float = 100.0):
+        self.step, self.prof, self.min_gap_us = step, None, min_gap_us
 
     def after_step(self, done: int) -> None:
         if not self.step:
@@ -279,10 +279,10 @@ class StepProfiler:
         with tempfile.TemporaryDirectory() as tmp:  # a 60-block step's trace is large: not kept
             path = Path(tmp) / "trace.json"
             self.prof.export_chrome_trace(str(path))
-            return trace_summary(json.loads(path.read_text()))
+            return trace_summary(json.loads(path.read_text()), self.min_gap_us)
 
 
-def trace_summary(trace: dict) -> dict:
+def trace_summary(trace: dict, min_gap_us: float = 100.0) -> dict:
     """Per stream: busy ms (overlaps counted once), event count, top names by total ms.  For the
     busiest stream (the compute stream) also its idle gaps: the largest ones with the kernels either
     side, how busy each other stream was inside all gaps, and which CUDA runtime calls the host sat
@@ -308,7 +308,7 @@ def trace_summary(trace: dict) -> dict:
     compute = max(out, key=lambda sid: out[sid]["busy_ms"])
     runtime = [e for e in trace.get("traceEvents", []) if e.get("cat") == "cuda_runtime" and "dur" in e]
     return {"window_ms": window / 1e3, "compute_stream": compute, "streams": out,
-            "compute_gaps": _gaps(spans, compute, runtime)}
+            "compute_gaps": _gaps(spans, compute, runtime, min_gap_us)}
 
 
 def _union(evs: list[dict]) -> list[tuple]:

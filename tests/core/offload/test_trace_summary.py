@@ -23,3 +23,11 @@ def test_compute_gaps_name_their_neighbours_and_what_ran_meanwhile():
     assert gaps["largest"] == [{"ms": 1.0, "after": "gemm_b", "before": "gemm_c", "at_ms": 1.5}]
     assert gaps["other_streams_busy_in_gaps_ms"] == {"13": 0.7}
     assert gaps["host_runtime_in_gaps_ms"] == [["cudaEventSynchronize", 0.9]]
+
+
+def test_a_lower_gap_floor_counts_the_short_waits_too():
+    trace = {"traceEvents": [_kernel("gemm_a", 0, 1000, 7), _kernel("gemm_c", 2000, 1000, 7),
+                             _kernel("gemm_d", 3050, 50, 7)]}
+    assert trace_summary(trace)["compute_gaps"]["count"] == 1  # the 50 us gap is below the default floor
+    gaps = trace_summary(trace, min_gap_us=20)["compute_gaps"]
+    assert gaps["count"] == 2 and gaps["total_ms"] == 1.05
