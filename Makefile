@@ -5,6 +5,9 @@ BIN := $(VENV)/bin
 # CPU build where no NVIDIA driver is present; the default (CUDA) build otherwise.
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.6" || echo "torch==2.13.0")
 DEMO_DIR ?= splitflow-demo
+# Test processes: two keep a 2-core CI machine busy while tests wait on servers and subprocesses
+# (each test module runs whole in one of them); 0 runs the suite in this process.
+TEST_WORKERS ?= 2
 export HF_HUB_OFFLINE ?= 1
 export DO_NOT_TRACK ?= 1
 
@@ -24,7 +27,7 @@ demo: setup
 	$(BIN)/splitflow demo --workdir $(DEMO_DIR)
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 clean-demo:
 	rm -rf $(DEMO_DIR)

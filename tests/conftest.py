@@ -19,7 +19,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
+# Modules that wait minutes on Prefect servers and process workers: collected first, so that with
+# several test processes (`make test`) one of them starts there while the others take the rest.
+LONGEST_FIRST = ("tests/flows/test_pools.py",)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in LONGEST_FIRST)  # stable: otherwise as collected
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
