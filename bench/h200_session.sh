@@ -18,6 +18,9 @@
 #                                                # (PAIRS=6; INTERLEAVE=rows; COPIES=1: the copies alone),
 #                                                # the optimizer toy with its GPU-step row (OPTIM=0: not),
 #                                                # and the optimizer-state GPU tests
+#   bench/h200_session.sh timeline               # where the 12-of-24 row's time goes (bench/gpu_timeline.py),
+#                                                # then that row interleaved with resident (PAIRS=12), and
+#                                                # every offload GPU test
 # Install the carried wheels with --no-deps (pip --target resolves dependencies only among the
 # wheels given, and the machine's own anyio etc. are not among them):
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
@@ -47,6 +50,15 @@ interleave)
     --interleave "${INTERLEAVE:-budget_12_of_24_act}" ${COPIES:+--copies} --pairs "${PAIRS:-6}" --out "$OUT/side_by_side_interleaved_h200.json" > /dev/null
   [ "${OPTIM:-1}" = 0 ] || timeout "$(left)" python3 -m bench.offload --cases optim \
     --out "$OUT/offload_optim_gpustep_h200.json" > /dev/null
+  ;;
+timeline)
+  timeout 200 python3 -m bench.gpu_timeline \
+    --modes "${MODES:-resident,resident_act,budget_12_of_24_act:4.8546,static_12_of_24_act:2.6374}" \
+    > "$OUT/gpu_timeline_h200.json" 2> "$OUT/gpu_timeline.err"; tail -2 "$OUT/gpu_timeline.err"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -k "not nccl" tests/core/offload \
+    > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
+  timeout "$(left)" python3 -m bench.side_by_side --rows none --interleave budget_12_of_24_act \
+    --pairs "${PAIRS:-12}" --out "$OUT/side_by_side_interleaved_h200.json" > /dev/null
   ;;
 peak)
   timeout 60 python3 -m pytest -q -p no:cacheprovider -k "not nccl and not optimizer" \
