@@ -15,28 +15,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from types import SimpleNamespace
 
 import torch
 
-from bench.dit_stack import SIZES, build, stack_step
+from bench.dit_stack import SIZES, build, stack_step, timed_steps
 from bench.interleaved import side
 from bench.offload import StepProfiler
 
 
 def profiled_step(step, device: torch.device, warmup: int, min_gap_us: float) -> dict:
     """``warmup`` steps, then one profiled step: its wall time and its trace's summary."""
+    if warmup:
+        timed_steps(step, device, warmup, 0)
     profiler = StepProfiler(warmup, min_gap_us)
-    for i in range(warmup + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        float(step())
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        wall = time.perf_counter() - t0
-        profiler.after_step(i + 1)
+    profiler.after_step(warmup)  # starts the profiler
+    wall = timed_steps(step, device, 1, 0)["step_s"]
+    profiler.after_step(warmup + 1)  # stops it
     return {"wall_ms": wall * 1e3, **(profiler.summary() or {})}
 
 

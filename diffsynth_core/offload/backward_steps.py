@@ -209,6 +209,7 @@ class StepInBackward:
         """``load_state_dict`` replaced the state (on the weights' device): into the pages' homes, so
         the next copy in brings the loaded values, not the ones from before; the rest (weights with
         no laid-out page yet) into ``loaded``."""
+        dropped = []
         for page in self.pages:
             if page.state is None:
                 continue
@@ -216,10 +217,12 @@ class StepInBackward:
             if all(key in optimizer.state.get(p, {}) for p, key, _, _ in page.state.layout):
                 self._page_out(page)
             else:  # the checkpoint holds other state for it: its next step lays it out again
-                if self.cuda:
-                    torch.cuda.synchronize(self.device)  # no copy either way still uses its arena
-                self._drop_arena(page.state.arena)
+                dropped.append(page.state.arena)
                 page.state = None
+        if dropped and self.cuda:
+            torch.cuda.synchronize(self.device)  # no copy either way still uses their arenas
+        for arena in dropped:
+            self._drop_arena(arena)
         laid_out = {id(p) for page in self.pages if page.state is not None for p in page.params}
         entries = [(p, key, value) for p in self.params if id(p) not in laid_out
                    for key, value in optimizer.state.get(p, {}).items() if moves_to_host(key, value, p)]

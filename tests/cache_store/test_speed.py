@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from bench.cache import nbytes as tensor_bytes
 from cache_store import open_cache
 
 
@@ -28,10 +29,6 @@ def bytes_read_so_far() -> int:
         return next(int(line.split()[1]) for line in io if line.startswith("rchar:"))
 
 
-def tensor_bytes(entry: dict) -> int:
-    return sum(t.numel() * t.element_size() for key, t in entry.items() if key != "meta")
-
-
 @pytest.mark.parametrize("backend", ["zarr", "pth"])
 def test_a_random_read_reads_about_its_own_entry(tmp_path, backend):
     n = 40
@@ -48,9 +45,9 @@ def test_a_random_read_reads_about_its_own_entry(tmp_path, backend):
     for key in keys[1:]:
         before = bytes_read_so_far()
         entry = reader.get(key)
-        read = bytes_read_so_far() - before
+        read, size = bytes_read_so_far() - before, tensor_bytes(entry)
         assert entry["meta"]["row"] == int(key[1:]) and entry["latents"].shape == (16, 128, 128)
         # a chunk may straddle two entries and a part's first read opens its index: 3x, not 16x
-        assert read <= 3 * tensor_bytes(entry), f"{key}: read {read} bytes for a {tensor_bytes(entry)}-byte entry"
+        assert read <= 3 * size, f"{key}: read {read} bytes for a {size}-byte entry"
     files = reader.stats()["files"]
     assert files <= (12 if backend == "zarr" else n + 8)  # zarr: a few files per part, never per tensor
