@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import gzip
 from collections import Counter
 import json
 import statistics
@@ -273,13 +274,21 @@ class StepProfiler:
         elif done == self.step + 1 and self.prof is not None:
             self.prof.stop()
 
-    def summary(self) -> dict | None:
+    def summary(self, keep: Path | None = None) -> dict | None:
+        """The trace's summary; ``keep``: also write its device events and CUDA runtime calls there
+        (gzipped JSON, for a look beyond the summary; a 60-block step's whole trace is too large)."""
         if self.prof is None:
             return None
-        with tempfile.TemporaryDirectory() as tmp:  # a 60-block step's trace is large: not kept
+        with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "trace.json"
             self.prof.export_chrome_trace(str(path))
-            return trace_summary(json.loads(path.read_text()), self.min_gap_us)
+            trace = json.loads(path.read_text())
+        if keep is not None:
+            kept = [e for e in trace.get("traceEvents", [])
+                    if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset", "cuda_runtime", "user_annotation")]
+            with gzip.open(keep, "wt") as f:
+                json.dump({"traceEvents": kept}, f)
+        return trace_summary(trace, self.min_gap_us)
 
 
 def trace_summary(trace: dict, min_gap_us: float = 100.0) -> dict:

@@ -125,9 +125,10 @@ def test_steady_steps_reuse_their_host_buffers():
                 h = checkpoint(block, h, shift, use_reentrant=False)
         return h.float().pow(2).mean()
 
-    made = []
+    made, fetched = [], []
     for use in (False, True, True, True):
         model.gain.grad = None
+        h2d_before = offloader.h2d_bytes
         loss = loss_of(use)
         loss.backward()
         torch.cuda.synchronize()
@@ -136,7 +137,11 @@ def test_steady_steps_reuse_their_host_buffers():
         else:
             assert torch.equal(loss.detach(), ref[0]) and torch.equal(model.gain.grad, ref[1])
             made.append(offloader.host.allocations)
+            fetched.append(offloader.h2d_bytes - h2d_before)
     one_input = TOKENS * W * 2
+    # backward fetches every block input but the last one packed (held on the device for it)
+    assert fetched == [(N - 1) * one_input] * 3, fetched
+    assert offloader.held == []  # handed over at their unpack
     # each block's input, and ``shift`` once (every block takes it)
     assert made == [N + 1] * 3, made
     assert offloader.host.most_live_bytes == (N + 1) * one_input

@@ -1,0 +1,116 @@
+"""The activation offloader's bookkeeping on CPU tensors (``cpu_tensors=True``: synchronous copies
+into pageable buffers): what is copied back, what is held, what is prefetched.  The GPU tests
+(test_activation_offload_gpu.py) check the same on CUDA streams, with peaks."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from diffsynth_core.gradient.activation_offload import ActivationOffloader
+
+N, TOKENS, W = 6, 64, 32
+ONE_INPUT = TOKENS * W * 4  # fp32 bytes of one block input
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(W, W)
+
+    def forward(self, x, shift):
+        return x + torch.tanh(self.lin(x + shift))
+
+
+def _setup():
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(Block() for _ in range(N))
+    x, shift = torch.randn(TOKENS, W), torch.randn(TOKENS, W)  # ``shift``: every block takes it
+    return blocks, x, shift
+
+
+def _step(blocks, x, shift, offloader=None):
+    """Forward (each block checkpointed, its inputs through ``offloader``) and backward; the loss
+    and the gradients."""
+    blocks.zero_grad(set_to_none=True)
+    h = x * 1.5  # the first block's input: not held by the caller past that block
+    for block in blocks:
+        if offloader is None:
+            h = checkpoint(block, h, shift, use_reentrant=False)
+        else:
+            with offloader.hooks():
+                h = checkpoint(block, h, shift, use_reentrant=False)
+    loss = h.pow(2).mean()
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in blocks.parameters()]
+
+
+def test_each_block_input_comes_back_once_but_the_last_and_the_shared_one():
+    blocks, x, shift = _setup()
+    ref_loss, ref_grads = _step(blocks, x, shift)
+    offloader = ActivationOffloader(min_bytes=0, cpu_tensors=True)
+    for _ in range(3):
+        d2h, h2d = offloader.d2h_bytes, offloader.h2d_bytes
+        loss, grads = _step(blocks, x, shift, offloader)
+        assert torch.equal(loss, ref_loss) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+        # out: every block input, and ``shift`` once; back: every block input but the last one
+        # (held for backward, which needs it first), ``shift`` never (the caller holds it)
+        assert offloader.d2h_bytes - d2h == (N + 1) * ONE_INPUT
+        assert offloader.h2d_bytes - h2d == (N - 1) * ONE_INPUT
+        assert offloader.held == []  # handed over at their unpack
+    assert offloader.fetched_on_demand == 0  # each block's inputs were on their way before its recompute
+    assert offloader.host.allocations == N + 1  # buffers made in the first step only
+
+
+def test_an_input_changed_in_place_after_packing_comes_back_from_the_host_copy():
+    blocks, x, shift = _setup()
+    offloader = ActivationOffloader(min_bytes=0, cpu_tensors=True)
+    h = x * 1.5
+    with offloader.hooks():
+        out = checkpoint(blocks[0], h, shift, use_reentrant=False)
+    expected = torch.autograd.grad(checkpoint(blocks[0], x * 1.5, shift, use_reentrant=False).sum(),
+                                   list(blocks[0].parameters()))
+    h.mul_(0)  # the held tensor changes: backward must read what was packed
+    got = torch.autograd.grad(out.sum(), list(blocks[0].parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert offloader.h2d_bytes == ONE_INPUT and offloader.fetched_on_demand == 1
+
+
+class TwoStreamBlock(nn.Module):
+    """Two fresh inputs a block (image and text streams, as Qwen-Image's blocks take them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.img, self.txt = nn.Linear(W, W), nn.Linear(W, W)
+
+    def forward(self, img, txt):
+        mixed = torch.tanh(self.img(img) + self.txt(txt))
+        return img + mixed, txt - mixed
+
+
+def test_two_stream_blocks_bring_each_input_back_once():
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(TwoStreamBlock() for _ in range(N))
+    img, txt = torch.randn(TOKENS, W), torch.randn(TOKENS, W)
+
+    def step(offloader=None):
+        blocks.zero_grad(set_to_none=True)
+        a, b = img * 1.5, txt * 1.5
+        for block in blocks:
+            with offloader.hooks() if offloader is not None else contextlib.nullcontext():
+                a, b = checkpoint(block, a, b, use_reentrant=False)
+        loss = (a.pow(2) + b).mean()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in blocks.parameters()]
+
+    ref_loss, ref_grads = step()
+    offloader = ActivationOffloader(min_bytes=0, cpu_tensors=True)
+    for _ in range(2):
+        h2d = offloader.h2d_bytes
+        loss, grads = step(offloader)
+        assert torch.equal(loss, ref_loss) and all(torch.equal(x, y) for x, y in zip(grads, ref_grads))
+        assert offloader.h2d_bytes - h2d == 2 * (N - 1) * ONE_INPUT  # both of the last block's held
+        assert offloader.held == [] and offloader.fetched_on_demand == 0
