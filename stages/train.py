@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from diffsynth_core.models import FamilySpec, check_model_folder, get_family
 from diffsynth_core.models.lora_export import DIFFUSERS_FILE
 from diffsynth_core.errors import InputError
+from diffsynth_core.gradient import activation_offloader
 from diffsynth_core.training.checkpoint import CheckpointManager
 from diffsynth_core.training.device import avoid_broken_kernels, configure_determinism
 from diffsynth_core.training.ema import swapped_weights
@@ -182,6 +183,9 @@ def _train(cfg: RunConfig) -> TrainSummary:
         report["optimizer_state_on_host"] = result.host_state.stats
     if result.steps_in_backward is not None:
         report["optimizer_step_in_backward"] = result.steps_in_backward.stats
+    offloader = activation_offloader(transformer)
+    if offloader is not None and offloader.d2h_bytes:  # block inputs went to host memory (CUDA only)
+        report["activation_offload"] = offloader.stats()
     if report and trainer.rank == 0:
         (output / "offload.json").write_text(json.dumps(report, indent=1))
     if result.offload is not None and result.lora_config is None:

@@ -140,6 +140,14 @@ class ActivationOffloader:
         self.h2d_bytes = 0
         self.fetched_on_demand = 0  # unpacks that found their tensor not on its way: compute waits for it
 
+    def stats(self) -> dict:
+        """Bytes moved each way, fetches the prefetch did not start (backward waited for those), and
+        the page-locked host buffers held, since the offloader was made."""
+        return {"d2h_bytes": self.d2h_bytes, "h2d_bytes": self.h2d_bytes,
+                "fetched_on_demand": self.fetched_on_demand,
+                "host_buffer_bytes": sum(b.nbytes for b in self.host.all),
+                "host_buffer_allocations": self.host.allocations}
+
     def hooks(self):
         """The hooks for one block's ``checkpoint`` call."""
         self.group += 1

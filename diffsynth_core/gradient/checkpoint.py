@@ -21,6 +21,7 @@ from ..offload.units import find_blocks
 from .activation_offload import ActivationOffloader
 
 _MARK = "_splitflow_checkpointed"
+_OFFLOADER = "_splitflow_activation_offloader"  # on the model: its offloader, for telemetry
 
 
 def _blocks(model: nn.Module, block_container_names) -> list[nn.Module]:
@@ -41,12 +42,20 @@ def apply_gradient_checkpointing(model: nn.Module, block_container_names=None,
     for block in blocks:
         block.forward = _checkpointed(block.forward, offloader)
         block.__dict__[_MARK] = True
+    if offloader is not None:
+        model.__dict__[_OFFLOADER] = offloader
     return len(blocks)
+
+
+def activation_offloader(model: nn.Module) -> ActivationOffloader | None:
+    """The offloader :func:`apply_gradient_checkpointing` gave ``model`` (``offload_activations``), if any."""
+    return model.__dict__.get(_OFFLOADER)
 
 
 def remove_gradient_checkpointing(model: nn.Module, block_container_names=None) -> int:
     """Undo :func:`apply_gradient_checkpointing`; returns how many blocks were restored."""
     n = 0
+    model.__dict__.pop(_OFFLOADER, None)
     for block in _blocks(model, block_container_names):
         if block.__dict__.pop(_MARK, False):
             del block.forward

@@ -118,3 +118,25 @@ def test_two_stream_blocks_bring_each_input_back_once():
         assert torch.equal(loss, ref_loss) and all(torch.equal(x, y) for x, y in zip(grads, ref_grads))
         assert offloader.h2d_bytes - h2d == 2 * (N - 1) * ONE_INPUT  # both of the last block's held
         assert offloader.held == [] and offloader.fetched_on_demand == 0
+
+
+def test_the_model_keeps_its_offloader_for_telemetry():
+    from diffsynth_core.gradient import (activation_offloader, apply_gradient_checkpointing,
+                                         remove_gradient_checkpointing)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(W, W) for _ in range(2))
+
+    model = Model()
+    apply_gradient_checkpointing(model, ("blocks",))
+    assert activation_offloader(model) is None  # not asked for
+    remove_gradient_checkpointing(model, ("blocks",))
+    apply_gradient_checkpointing(model, ("blocks",), offload_activations=True)
+    offloader = activation_offloader(model)
+    assert isinstance(offloader, ActivationOffloader)
+    assert offloader.stats() == {"d2h_bytes": 0, "h2d_bytes": 0, "fetched_on_demand": 0,
+                                 "host_buffer_bytes": 0, "host_buffer_allocations": 0}
+    remove_gradient_checkpointing(model, ("blocks",))
+    assert activation_offloader(model) is None
