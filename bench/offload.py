@@ -252,6 +252,9 @@ def _stamp_backward_issued(trainer) -> list[float]:
     return stamps
 
 
+DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")  # trace categories that ran on a CUDA stream
+
+
 class StepProfiler:
     """``--profile-step K``: PyTorch's profiler over training step K + 1 (after K steps), summarised
     per CUDA stream (``summary()``, after training, so the export is not timed as a step): how long
@@ -285,7 +288,7 @@ class StepProfiler:
             trace = json.loads(path.read_text())
         if keep is not None:
             kept = [e for e in trace.get("traceEvents", [])
-                    if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset", "cuda_runtime", "user_annotation")]
+                    if e.get("cat") in (*DEVICE_EVENTS, "cuda_runtime", "user_annotation")]
             with gzip.open(keep, "wt") as f:
                 json.dump({"traceEvents": kept}, f)
         return trace_summary(trace, self.min_gap_us)
@@ -297,7 +300,7 @@ def trace_summary(trace: dict, min_gap_us: float = 100.0) -> dict:
     side, how busy each other stream was inside all gaps, and which CUDA runtime calls the host sat
     in meanwhile (a long ``cudaEventSynchronize`` there means the host waited, not the GPU)."""
     events = [e for e in trace.get("traceEvents", [])
-              if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+              if e.get("cat") in DEVICE_EVENTS and "dur" in e]
     if not events:
         return {"streams": {}}
     start = min(e["ts"] for e in events)

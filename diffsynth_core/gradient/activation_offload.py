@@ -21,11 +21,11 @@ So at most two blocks' inputs are on the device in backward.  A tensor packed ag
 alive (an embedding passed to every block) is copied to the host once, and one the caller still
 holds unchanged when backward needs it (the model's input) is handed back as is, not copied; the
 prefetch passes over both (a shared tensor's unpack, at every block, prefetches nothing), and
-over inputs already brought back.  The
-tensors packed by the last ``hooks()`` call (the last block's inputs) are held on the device until
-the next block packs or their unpack: backward needs them first, with no compute before it to hide its copy back (on the H200 that
-copy was a 0.47 ms idle stretch of the compute stream at every forward->backward turn, 0.17 % of
-the 24x3072 stack's step); in forward it would be freed as the next block starts anyway.
+over inputs already brought back.  The tensors packed under the latest ``hooks()`` call (the last
+block's inputs) are held on the device until the next block starts or their unpack: backward needs
+them first, with no compute before it to hide their copy back (on the H200 that copy was a 0.47 ms
+idle stretch of the compute stream at every forward->backward turn, 0.17 % of the 24x3072 stack's
+step); in forward they would be freed as the next block starts anyway.
 
 Host buffers are page-locked once, at their exact size (``HostBuffers``), and reused step after
 step: a buffer comes back when autograd drops its saved tensor, and the next copy into it waits (on
@@ -132,8 +132,7 @@ class ActivationOffloader:
         self.streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
         self.group = 0  # hooks() calls so far: the block packing now
         self.groups: dict[int, list[weakref.ref]] = {}  # block -> its _Saved, for the prefetch
-        self.held: list[torch.Tensor] = []  # what the latest block packed, kept until the next block packs
-        self.held_group = 0
+        self.held: list[torch.Tensor] = []  # what the latest block packed, kept until the next block starts
         self.live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(tensor) -> _Saved
         self.host = HostBuffers(pin=not cpu_tensors)
         self.d2h_bytes = 0
@@ -151,6 +150,7 @@ class ActivationOffloader:
     def hooks(self):
         """The hooks for one block's ``checkpoint`` call."""
         self.group += 1
+        self.held = []  # the block before is done: its inputs are no longer the last ones
         if len(self.groups) > 256:  # forward-only runs never unpack: forget the blocks gone since
             self.groups = {g: refs for g, refs in self.groups.items() if any(r() is not None for r in refs)}
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
@@ -175,8 +175,6 @@ class ActivationOffloader:
         saved = _Saved(self.host, buffer, host, t.device, done, self.group, t)
         self.groups.setdefault(self.group, []).append(weakref.ref(saved))
         self.live[id(t)] = saved
-        if self.held_group != self.group:
-            self.held, self.held_group = [], self.group
         self.held.append(t)
         return saved
 

@@ -32,30 +32,29 @@ def _setup():
     return blocks, x, shift
 
 
-def _step(blocks, x, shift, offloader=None):
+def _step(blocks, carried: tuple, shared: tuple = (), offloader=None):
     """Forward (each block checkpointed, its inputs through ``offloader``) and backward; the loss
-    and the gradients."""
+    and the gradients.  ``carried`` flow from block to block (scaled first, so the caller holds
+    none of the first block's inputs past it); ``shared`` go to every block as they are."""
     blocks.zero_grad(set_to_none=True)
-    h = x * 1.5  # the first block's input: not held by the caller past that block
+    hs = tuple(t * 1.5 for t in carried)
     for block in blocks:
-        if offloader is None:
-            h = checkpoint(block, h, shift, use_reentrant=False)
-        else:
-            with offloader.hooks():
-                h = checkpoint(block, h, shift, use_reentrant=False)
-    loss = h.pow(2).mean()
+        with offloader.hooks() if offloader is not None else contextlib.nullcontext():
+            out = checkpoint(block, *hs, *shared, use_reentrant=False)
+        hs = out if isinstance(out, tuple) else (out,)
+    loss = sum(h.pow(2).mean() for h in hs)
     loss.backward()
     return loss.detach(), [p.grad.clone() for p in blocks.parameters()]
 
 
 def test_each_block_input_comes_back_once_but_the_last_and_the_shared_one():
     blocks, x, shift = _setup()
-    ref_loss, ref_grads = _step(blocks, x, shift)
+    ref_loss, ref_grads = _step(blocks, (x,), (shift,))
     offloader = ActivationOffloader(min_bytes=0, cpu_tensors=True)
     made = []
     for _ in range(3):
         d2h, h2d = offloader.d2h_bytes, offloader.h2d_bytes
-        loss, grads = _step(blocks, x, shift, offloader)
+        loss, grads = _step(blocks, (x,), (shift,), offloader)
         assert torch.equal(loss, ref_loss) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
         # out: every block input, and ``shift`` once; back: every block input but the last one
         # (held for backward, which needs it first), ``shift`` never (the caller holds it)
@@ -99,22 +98,11 @@ def test_two_stream_blocks_bring_each_input_back_once():
     torch.manual_seed(0)
     blocks = nn.ModuleList(TwoStreamBlock() for _ in range(N))
     img, txt = torch.randn(TOKENS, W), torch.randn(TOKENS, W)
-
-    def step(offloader=None):
-        blocks.zero_grad(set_to_none=True)
-        a, b = img * 1.5, txt * 1.5
-        for block in blocks:
-            with offloader.hooks() if offloader is not None else contextlib.nullcontext():
-                a, b = checkpoint(block, a, b, use_reentrant=False)
-        loss = (a.pow(2) + b).mean()
-        loss.backward()
-        return loss.detach(), [p.grad.clone() for p in blocks.parameters()]
-
-    ref_loss, ref_grads = step()
+    ref_loss, ref_grads = _step(blocks, (img, txt))
     offloader = ActivationOffloader(min_bytes=0, cpu_tensors=True)
     for _ in range(2):
         h2d = offloader.h2d_bytes
-        loss, grads = step(offloader)
+        loss, grads = _step(blocks, (img, txt), offloader=offloader)
         assert torch.equal(loss, ref_loss) and all(torch.equal(x, y) for x, y in zip(grads, ref_grads))
         assert offloader.h2d_bytes - h2d == 2 * (N - 1) * ONE_INPUT  # both of the last block's held
         assert offloader.held == [] and offloader.fetched_on_demand == 0
