@@ -143,6 +143,7 @@ def qwen_worker(a) -> dict:
     profiler = StepProfiler(a.profile_step)
 
     lag = GpuLag(model.transformer_blocks) if cuda else None
+    phases = ForwardShare(model) if cuda else None
 
     def clock(step, _model):
         if cuda:
@@ -151,6 +152,8 @@ def qwen_worker(a) -> dict:
         profiler.after_step(len(stamps))
         if lag is not None:
             lag.step_ended()
+        if phases is not None:
+            phases.step_ended()
     out_dir = a.out_dir or tempfile.mkdtemp()
     trainer = Trainer(spec, model, samples, train, offload, out_dir, device=device, progress=False, callbacks=[clock])
     if a.old_loop:
@@ -161,6 +164,8 @@ def qwen_worker(a) -> dict:
         from diffsynth_core.offload.widening import UnitWidening, widen_each
 
         UnitWidening.run = lambda self, src, dst, views: widen_each(self.unit, src, views)
+    if a.trace_dir:  # name the engine's host work in the kept trace
+        _annotate_host_work()
     issued = _stamp_backward_issued(trainer)
     t0 = time.perf_counter()
     result = trainer.fit()
@@ -177,6 +182,14 @@ def qwen_worker(a) -> dict:
         out.update(host_issue_s=statistics.median(issue[a.warmup:]), after_issue_s=statistics.median(rest[a.warmup:]))
     if lag is not None:
         out["gpu_lag_ms"] = lag.summary(a.warmup)
+        from bench.dit_stack import pinned_bandwidth
+
+        out.update(phases.summary(a.warmup), pinned_h2d_gbps=pinned_bandwidth(device))
+    from diffsynth_core.gradient import activation_offloader
+
+    offloader = activation_offloader(result.model) or activation_offloader(model)
+    if offloader is not None:  # per step: fetched_on_demand counts what backward waited for
+        out["activation_offload"] = offloader.stats()
     if result.offload is not None:
         rep = result.offload.report()
         out.update({k: rep[k] for k in ("budget_units", "compact_units", "streamed_units", "stalls", "pinned",
@@ -187,7 +200,7 @@ def qwen_worker(a) -> dict:
         if result.host_state is not None:
             out["optimizer_state_on_host"] = result.host_state.stats
         result.offload.detach(restore_frozen=False)  # what the LoRA export does
-    profile = profiler.summary()
+    profile = profiler.summary(keep=a.trace_dir / f"{a.row_name}.json.gz" if a.trace_dir else None)
     if profile is not None:
         out["profile"] = profile
     out["lora"] = {k: v.detach().float().cpu() for k, v in result.model.named_parameters() if "lora_" in k} \
@@ -233,6 +246,53 @@ class GpuLag:
             return {}
         return {"median": statistics.median(every), "p10": _quantile(every, 0.1), "p90": _quantile(every, 0.9),
                 "per_step_median": [round(statistics.median(s), 1) for s in steps]}
+
+
+def _annotate_host_work() -> None:
+    """Wrap the offload engine's per-use hook and the activation offloader's pack / unpack in
+    profiler ranges (``user_annotation`` events), so a trace shows the host time each takes."""
+    from diffsynth_core.gradient.activation_offload import ActivationOffloader
+    from diffsynth_core.offload.manager import OffloadTrainingManager
+
+    for cls, name in ((OffloadTrainingManager, "_use"), (ActivationOffloader, "pack"), (ActivationOffloader, "unpack")):
+        def wrapped(self, *args, _fn=getattr(cls, name), _label=f"{cls.__name__}.{name}", **kwargs):
+            with torch.profiler.record_function(_label):
+                return _fn(self, *args, **kwargs)
+        setattr(cls, name, wrapped)
+
+
+class ForwardShare:
+    """The forward's share of a step on the GPU's clock: from the step's start (an event recorded on
+    the idle GPU after the previous step's synchronize) to the end of the model's forward (a forward
+    hook: recompute under checkpointing calls the blocks, not the model), and from there to the
+    step's end (loss, recompute + backward, optimizer step).  What bounds an offloaded step from
+    below: every weight not on the device when the forward starts must cross PCIe during it."""
+
+    def __init__(self, model):
+        self.start = self.forward_end = None
+        self.forward_s: list[float] = []
+        self.rest_s: list[float] = []
+        model.register_forward_hook(self._forward_ended)
+
+    @staticmethod
+    def _event():
+        return torch.cuda.current_stream().record_event(torch.cuda.Event(enable_timing=True))
+
+    def _forward_ended(self, _module, _args, _out):
+        if self.start is not None and self.forward_end is None:
+            self.forward_end = self._event()
+
+    def step_ended(self) -> None:  # after a synchronize: every event of the step has completed
+        end = self._event()
+        end.synchronize()
+        if self.start is not None and self.forward_end is not None:
+            self.forward_s.append(self.start.elapsed_time(self.forward_end) / 1e3)
+            self.rest_s.append(self.forward_end.elapsed_time(end) / 1e3)
+        self.start, self.forward_end = end, None
+
+    def summary(self, warmup: int) -> dict:
+        fwd, rest = self.forward_s[warmup:] or self.forward_s, self.rest_s[warmup:] or self.rest_s
+        return {"gpu_forward_s": statistics.median(fwd), "gpu_after_forward_s": statistics.median(rest)} if fwd else {}
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -287,8 +347,11 @@ class StepProfiler:
             self.prof.export_chrome_trace(str(path))
             trace = json.loads(path.read_text())
         if keep is not None:
+            keep.parent.mkdir(parents=True, exist_ok=True)
+            # and the host's operators of 50 us or more (where a host-bound step spends its time)
             kept = [e for e in trace.get("traceEvents", [])
-                    if e.get("cat") in (*DEVICE_EVENTS, "cuda_runtime", "user_annotation")]
+                    if e.get("cat") in (*DEVICE_EVENTS, "cuda_runtime", "user_annotation")
+                    or (e.get("cat") == "cpu_op" and e.get("dur", 0) >= 50)]
             with gzip.open(keep, "wt") as f:
                 json.dump({"traceEvents": kept}, f)
         return trace_summary(trace, self.min_gap_us)
@@ -317,7 +380,8 @@ def trace_summary(trace: dict, min_gap_us: float = 100.0) -> dict:
         top = sorted(names.items(), key=lambda kv: -kv[1])[:5]
         out[sid] = {"busy_ms": sum(hi - lo for lo, hi, _, _ in spans[sid]) / 1e3, "events": len(evs),
                     "top_ms": [[n, round(d / 1e3, 2)] for n, d in top]}
-    compute = max(out, key=lambda sid: out[sid]["busy_ms"])
+    # the stream that runs the kernels: a copy stream can be busier (a copy-bound step) with few events
+    compute = max(out, key=lambda sid: (sum(e.get("cat") == "kernel" for e in streams[sid]), out[sid]["busy_ms"]))
     runtime = [e for e in trace.get("traceEvents", []) if e.get("cat") == "cuda_runtime" and "dur" in e]
     return {"window_ms": window / 1e3, "compute_stream": compute, "streams": out,
             "compute_gaps": _gaps(spans, compute, runtime, min_gap_us)}
@@ -412,7 +476,8 @@ def case_qwen20b(a) -> dict:
                               "fp8_budget_16gb_compiled", "fp8_budget_16gb_act_compiled")})
     # offload.optimizer_state_on_host: AdamW's moments wait in host memory between steps
     rows.update({f"{name}_hoststate": [*rows[name], "--state-on-host"]
-                 for name in ("budget_24gb_compiled_fused", "fp8_budget_16gb_compiled_fused")})
+                 for name in ("budget_24gb_compiled_fused", "budget_24gb_act_compiled_fused",
+                              "fp8_budget_16gb_compiled_fused")})
     # train.lora_narrow_inputs: the adapters save their bf16 input, not peft's fp32 copy
     rows.update({f"{name}_narrow": [*rows[name], "--narrow-lora-input"] for name in ("resident", "resident_compiled")})
     wanted = ([] if a.skip_resident else ["resident"]) + a.qwen_rows.split(",")
@@ -423,7 +488,9 @@ def case_qwen20b(a) -> dict:
     asked: Counter[str] = Counter()
     for name in wanted:
         asked[name] += 1
-        named[name if asked[name] == 1 else f"{name}_{asked[name]}"] = rows[name]
+        run_name = name if asked[name] == 1 else f"{name}_{asked[name]}"
+        named[run_name] = [*rows[name], *(["--trace-dir", str(a.trace_dir), "--row-name", run_name]
+                                          if a.trace_dir else [])]
     res = qwen_rows(named, 420)
     resident = res.get("resident", {}).get("step_s")
     compiled = res.get("resident_compiled", {}).get("step_s")
@@ -432,7 +499,24 @@ def case_qwen20b(a) -> dict:
             row["step_over_resident"] = row["step_s"] / resident
         if compiled and row.get("step_s") and "_compiled" in name and name != "resident_compiled":
             row["step_over_resident_compiled"] = row["step_s"] / compiled
+        base = res.get("resident_compiled" if "_compiled" in name else "resident", {})
+        if row.get("budget_gb") and base.get("gpu_forward_s") and "fp8" not in name:  # bf16 bytes only
+            row["lower_bound"] = forward_copy_bound(base, row)
     return res
+
+
+def forward_copy_bound(resident: dict, row: dict) -> dict:
+    """A floor under any schedule of a budgeted row: the weights on the device when the forward
+    starts are at most the budget, so at least ``DiT bytes - budget`` cross PCIe during the forward
+    (the forward cannot begin before the previous step ends, nor the backward before the forward
+    ends); the rest of the step is at least the resident step's rest.  Generous on purpose: the
+    whole budget counted as weights, the fastest copy rate of the call, every copy overlapped."""
+    rate = max(r for r in (resident.get("pinned_h2d_gbps"), row.get("pinned_h2d_gbps")) if r)
+    forward = resident["gpu_forward_s"]
+    copy_s = max(0.0, row["dit_gb"] - row["budget_gb"]) / rate
+    step_s = resident["step_s"] - forward + max(forward, copy_s)
+    return {"step_s": step_s, "over_resident": step_s / resident["step_s"], "forward_copy_s": copy_s,
+            "resident_forward_s": forward, "h2d_gbps": rate}
 
 
 def case_fp8_loss(a) -> dict:
@@ -767,6 +851,10 @@ def main() -> None:
     ap.add_argument("--storage", default="")
     ap.add_argument("--mode", default="")
     ap.add_argument("--out-dir", default="")
+    ap.add_argument("--trace-dir", type=Path, default=None,
+                    help="with --profile-step: keep each row's profiled step there (NAME.json.gz: device "
+                         "events, CUDA runtime calls, host operators of 50 us or more)")
+    ap.add_argument("--row-name", default="row", help=argparse.SUPPRESS)
     ap.add_argument("--lora-file", default="")
     ap.add_argument("--qwen-rows", default="budget_24gb,fp8_budget_16gb",
                     help="qwen20b rows beside resident; also fp8_budget_16gb_act (block inputs offloaded), "
