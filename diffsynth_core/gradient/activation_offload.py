@@ -14,10 +14,14 @@ asks for it.  Here:
   has run, and the device tensor is dropped at once (the compute stream never waits);
 * **unpack** (backward): the input comes back host->device on another private stream; while one
   block's recompute runs, the inputs of the block before it (packed under the previous
-  ``hooks()``, and needed next by backward) are already on their way, so the compute stream only
-  waits for copies that have landed.
+  ``hooks()``, and needed next by backward) are already on their way, and so are those of the
+  block before that (``ahead``, default 2 blocks): a copy back starts only once the compute queued
+  before it has run, and on the H200 the copy engine ran it after the weight copy of a streamed
+  block issued just before it (12 ms for a Qwen-Image block), so with one block ahead a block of
+  8 ms waited ~5 ms for its 28 MB input (38 such waits, 142 ms of a compiled 24 GB step); two
+  ahead, it lands behind the same weight copy a block earlier.
 
-So at most two blocks' inputs are on the device in backward.  A tensor packed again while still
+So at most ``ahead + 1`` blocks' inputs are on the device in backward.  A tensor packed again while still
 alive (an embedding passed to every block) is copied to the host once, and one the caller still
 holds unchanged when backward needs it (the model's input) is handed back as is, not copied; the
 prefetch passes over both (a shared tensor's unpack, at every block, prefetches nothing), and
@@ -127,8 +131,10 @@ class ActivationOffloader:
     ``cpu_tensors=True`` (tests): CPU tensors go through the same bookkeeping with synchronous
     copies into unpinned buffers, so what is copied, held and prefetched can be checked without a GPU."""
 
-    def __init__(self, min_bytes: int = MIN_BYTES, cpu_tensors: bool = False):
-        self.min_bytes, self.cpu_tensors = min_bytes, cpu_tensors
+    def __init__(self, min_bytes: int = MIN_BYTES, cpu_tensors: bool = False, ahead: int = 2):
+        if ahead < 1:
+            raise ValueError(f"ahead must be >= 1 (blocks whose inputs are brought back early), got {ahead}")
+        self.min_bytes, self.cpu_tensors, self.ahead = min_bytes, cpu_tensors, ahead
         self.streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
         self.group = 0  # hooks() calls so far: the block packing now
         self.groups: dict[int, list[weakref.ref]] = {}  # block -> its _Saved, for the prefetch
@@ -194,7 +200,8 @@ class ActivationOffloader:
         saved.gpu = saved.ready = None  # the consumer holds it now; freed when it is done
         saved.used = True
         if not saved.shared:  # every block unpacks a shared one: it says nothing of what comes next
-            self._prefetch(saved.group - 1)
+            for back in range(1, self.ahead + 1):
+                self._prefetch(saved.group - back)
             self.groups.pop(saved.group, None)  # its block is being recomputed: nobody prefetches it now
         return out
 

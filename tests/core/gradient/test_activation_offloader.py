@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -66,6 +67,30 @@ def test_each_block_input_comes_back_once_but_the_last_and_the_shared_one():
     # buffers come back when autograd frees its saved tensors; when that happens differs between
     # torch versions (2.11 frees the first step's a step later), so only the last step is checked
     assert made[0] == N + 1 and made[-1] == made[-2], made
+
+
+@pytest.mark.parametrize("ahead", [1, 2, 3])
+def test_backward_brings_inputs_back_that_many_blocks_ahead_of_their_recompute(ahead):
+    blocks, x, shift = _setup()
+    offloader = ActivationOffloader(min_bytes=0, cpu_tensors=True, ahead=ahead)
+    calls, fetched_at = [], {}
+
+    def note(block_index):
+        def hook(_module, _args):
+            calls.append(block_index)
+            if calls.count(block_index) == 2:  # its recompute in backward: its inputs are unpacked
+                fetched_at[block_index] = offloader.h2d_bytes // ONE_INPUT
+        return hook
+    handles = [b.register_forward_pre_hook(note(i)) for i, b in enumerate(blocks)]
+    _step(blocks, (x,), (shift,), offloader)
+    for h in handles:
+        h.remove()
+    # The last block's input is held; each recompute has brought back the inputs of ``ahead``
+    # blocks before it (every one of the N - 1 others, at most), each copied once.
+    assert fetched_at == {j: min(N - 1, N - 1 - j + ahead) for j in range(N)}, fetched_at
+    assert offloader.fetched_on_demand == 0
+    with pytest.raises(ValueError, match="ahead"):
+        ActivationOffloader(ahead=0)
 
 
 def test_an_input_changed_in_place_after_packing_comes_back_from_the_host_copy():
