@@ -21,10 +21,10 @@ asks for it.  Here:
   8 ms waited ~5 ms for its 28 MB input (38 such waits, 142 ms of a compiled 24 GB step); two
   ahead, it lands behind the same weight copy a block earlier.
 
-So at most ``ahead + 1`` blocks' inputs are on the device in backward.  A tensor packed again while still
-alive (an embedding passed to every block) is copied to the host once, and one the caller still
-holds unchanged when backward needs it (the model's input) is handed back as is, not copied; the
-prefetch passes over both (a shared tensor's unpack, at every block, prefetches nothing), and
+So at most ``ahead + 1`` blocks' inputs are on the device in backward.  A tensor packed again
+while still alive (an embedding passed to every block) is copied to the host once, and one the
+caller still holds unchanged when backward needs it (the model's input) is handed back as is, not
+copied; the prefetch passes over both (a shared tensor's unpack, at every block, prefetches nothing), and
 over inputs already brought back.  The tensors packed under the latest ``hooks()`` call (the last
 block's inputs) are held on the device until the next block starts or their unpack: backward needs
 them first, with no compute before it to hide their copy back (on the H200 that copy was a 0.47 ms
@@ -206,8 +206,9 @@ class ActivationOffloader:
         return out
 
     def _prefetch(self, group: int) -> None:
-        """Start bringing back the inputs of block ``group`` (backward recomputes it next) while
-        the current block computes: those not handed back as they are, not used, not on their way."""
+        """Start bringing back the inputs of block ``group`` (backward recomputes it within
+        ``ahead`` blocks) while the current block computes: those not handed back as they are,
+        not used, not on their way."""
         for ref in self.groups.get(group, ()):
             saved = ref()
             if saved is not None and not saved.used and saved.gpu is None and saved.alive() is None:
