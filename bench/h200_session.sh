@@ -3,6 +3,7 @@
 #   bench/h200_session.sh benches MUSUBI_FILE   # side by side with musubi, Qwen-Image 20B, optimizer, fp8, determinism
 #   bench/h200_session.sh optim                 # the optimizer-offload toy and its GPU tests
 #   bench/h200_session.sh e2e                   # splitflow run, full-depth Qwen-Image folder
+#   bench/h200_session.sh bound                 # Qwen-Image 24 GB rows with their floor under any schedule
 #   bench/h200_session.sh compiled              # compiled blocks with and without the block inputs offloaded
 #   bench/h200_session.sh narrow MUSUBI_FILE    # adapters saving their bf16 input: GPU tests, stack peaks
 #                                               # (and the fp32-copy stack beside them), Qwen-Image 24 GB rows
@@ -89,6 +90,13 @@ compiled)  # block inputs offloaded by keyword (Qwen-Image) beside compiled bloc
   rows=$rows,resident_compiled_fused,budget_24gb_act_compiled_fused
   timeout "$(left)" python3 -m bench.offload --cases qwen20b --skip-resident --qwen-rows "${QWEN_ROWS:-$rows}" \
     --out "$OUT/offload_compiled_act_h200.json" > "$OUT/offload_log.txt" 2>&1; tail -3 "$OUT/offload_log.txt"
+  ;;
+bound)  # the Qwen-Image 24 GB rows beside their floor under any schedule (lower_bound), the gradient GPU tests
+  timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/gradient > "$OUT/gpu_tests.txt" 2>&1
+  tail -3 "$OUT/gpu_tests.txt"
+  timeout "$(left)" python3 -m bench.offload --cases qwen20b --skip-resident \
+    --qwen-rows "${QWEN_ROWS:-resident_compiled,budget_24gb_act_compiled,budget_24gb_compiled}" \
+    --out "$OUT/offload_bound_h200.json" > "$OUT/offload_log.txt" 2>&1; tail -3 "$OUT/offload_log.txt"
   ;;
 narrow)  # LoRA adapters saving their bf16 input (training/adapter_inputs.py), block inputs offloaded by keyword
   timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/training/test_adapter_inputs.py \

@@ -15,7 +15,8 @@ STACK_KEYS = ("step_s", "step_over_bound", "step_over_resident", "median_pair_ra
 OFFLOAD_KEYS = ("step_s", "step_over_resident", "step_over_resident_compiled", "host_issue_s",
                 "step_over_max_gpu_or_cpu_adamw", "gpu_peak_torch_gb",
                 "gpu_peak_nvml_gb", "host_peak_over_dit", "budget_units", "compact_units", "h2d_gb_per_step",
-                "planned_h2d_gb_per_step", "slowdown", "host_adamw_s_per_step", "error")
+                "planned_h2d_gb_per_step", "slowdown", "host_adamw_s_per_step", "gpu_forward_s",
+                "gpu_after_forward_s", "error")
 E2E_KEYS = ("s_per_step", "stages_s", "images_per_s", "gpu_peak_torch_gb", "gpu_peak_nvml_gb", "host_peak_gb",
             "host_peak_over_dit", "host_anon_peak_over_dit", "h2d_gb_per_step", "planned_h2d_gb_per_step",
             "resident_units")
