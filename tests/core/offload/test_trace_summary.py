@@ -31,3 +31,25 @@ def test_a_lower_gap_floor_counts_the_short_waits_too():
     assert trace_summary(trace)["compute_gaps"]["count"] == 1  # the 50 us gap is below the default floor
     gaps = trace_summary(trace, min_gap_us=20)["compute_gaps"]
     assert gaps["count"] == 2 and gaps["total_ms"] == 1.05
+
+
+def test_the_compute_stream_is_the_one_running_kernels_even_when_a_copy_stream_is_busier():
+    # a copy-bound step: the weight stream is busy longer than the compute stream
+    trace = {"traceEvents": [_kernel("gemm_a", 0, 300, 7), _kernel("gemm_b", 1000, 300, 7),
+                             _kernel("Memcpy HtoD", 0, 1200, 13, cat="gpu_memcpy")]}
+    out = trace_summary(trace)
+    assert out["compute_stream"] == "7"
+    assert out["compute_gaps"]["largest"][0]["after"] == "gemm_a"
+
+
+def test_the_forward_copy_floor_counts_what_the_budget_cannot_hold_at_the_forward_start():
+    from bench.offload import forward_copy_bound
+
+    resident = {"step_s": 0.7, "gpu_forward_s": 0.2, "pinned_h2d_gbps": 50.0}
+    # 40 GB of weights under a 20 GB budget: at least 20 GB cross PCIe in the forward, 0.4 s at 50 GB/s
+    floor = forward_copy_bound(resident, {"dit_gb": 40.0, "budget_gb": 20.0, "pinned_h2d_gbps": 40.0})
+    assert floor["forward_copy_s"] == 0.4 and floor["h2d_gbps"] == 50.0  # the faster rate of the call
+    assert abs(floor["step_s"] - 0.9) < 1e-12 and abs(floor["over_resident"] - 0.9 / 0.7) < 1e-12
+    # a forward longer than its copies: the floor is the resident step
+    roomy = forward_copy_bound(resident, {"dit_gb": 40.0, "budget_gb": 35.0})
+    assert roomy["step_s"] == 0.7
