@@ -23,7 +23,9 @@ allocator, pinned memory or RNG state, and ratios are taken between rows of one 
   steps overlapped with the next forward, and with backward too); the CPU AdamW step alone (by
   intra-op threads, and while host<->device copies run); and, for comparison, not optimizer
   offload but AdamW's state kept on the host and paged in during backward, the step on the GPU
-  (``gpu_step_in_backward``: weights resident, so a higher GPU peak).  20 steps after 3 of warm-up, every queued
+  (``gpu_step_in_backward``: weights resident, so a higher GPU peak); and the bound, overlapped
+  optimizer with the first 20-50 % of the weights stepped on the GPU during backward
+  (``bound_overlap_backward_device_*``, ``device_steps``).  20 steps after 3 of warm-up, every queued
   host step and GPU kernel drained at the end of the timed period.
 
 * ``widen``: widening one real-width Qwen-Image block's weights (340 M, fp8 with per-row scales)
@@ -760,7 +762,8 @@ def optim_worker(a) -> dict:
         pager = StepInBackward(opt)
     if a.mode.startswith("bound"):
         threads = None if a.threads_less is None else max(1, torch.get_num_threads() - a.threads_less)
-        mgr.bind_optimizer(opt, overlap_backward=a.mode.startswith("bound_overlap_backward"), threads=threads)
+        mgr.bind_optimizer(opt, overlap_backward=a.mode.startswith("bound_overlap_backward"), threads=threads,
+                           device_step_share=a.device_share)
     start = trace = None
     for i in range(OPTIM_STEPS):  # the period of the steps after warm-up, every host step and kernel drained at the end
         if i == OPTIM_WARMUP:
@@ -794,6 +797,8 @@ def optim_worker(a) -> dict:
     out = {"step_s": (time.perf_counter() - start) / steps,
            "gpu_peak_gb": torch.cuda.max_memory_allocated() / GB if on_gpu else None,
            **{f"main_{k}_s_per_step": v / steps for k, v in phases.items()}}
+    if mgr is not None and mgr.device_steps is not None:  # whole run, warm-up included
+        out["device_steps"] = dict(mgr.device_steps.stats, units=sorted(mgr.device_steps.units))
     if mgr is not None and mgr.stepper is not None:  # where the step's time went, per step
         st = mgr.stepper.stats
         out.update(host_threads=mgr.stepper.threads, host_adamw_s_per_step=(st["step_s"] - before["step_s"]) / steps,
@@ -823,6 +828,10 @@ OPTIM_ROWS = {  # row -> (mode, extra worker args)
     "bound_overlap_backward_all_threads": ("bound_overlap_backward", ["--threads-less", "0"]),
     # not optimizer offload: AdamW on the GPU, its state paged in from the host during backward
     "gpu_step_in_backward": ("gpu_step_in_backward", []),
+    # the first units' steps on the GPU during backward, their state paged through the host
+    # (bind_optimizer(device_step_share=...)): the worker steps the rest
+    **{f"bound_overlap_backward_device_{int(share * 100)}": ("bound_overlap_backward", ["--device-share", str(share)])
+       for share in (0.2, 0.3, 0.4, 0.5)},
 }
 
 
@@ -849,6 +858,7 @@ def main() -> None:
                                                   "--profile-step": 0}.get(flag))
     ap.add_argument("--qwen-steps", type=int, default=12, help="steps of each qwen20b row (3 of warm-up)")
     ap.add_argument("--budget-gib", type=float, default=0.0)
+    ap.add_argument("--device-share", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--storage", default="")
     ap.add_argument("--mode", default="")

@@ -51,10 +51,13 @@ class HostGradSink:
         self.unit_size: dict[int, int] = {}
         self.landing: dict[int, dict[int, object]] = {}  # unit -> id(p) -> copy event
         self.queued: set[int] = set()  # parameters whose step is queued since the last finish()
+        self.device_steps = None  # DeviceSteps: units whose step runs on the device (device_steps.py)
 
-    def start_steps(self, stepper, unit_of: dict[int, int], multi_use) -> None:
-        """From now on each unit's optimizer step is queued once its gradients are (being) copied."""
+    def start_steps(self, stepper, unit_of: dict[int, int], multi_use, device_steps=None) -> None:
+        """From now on each unit's optimizer step is queued once its gradients are (being) copied;
+        the units of ``device_steps`` keep their gradients on the device and step there instead."""
         self.stepper, self.unit_of, self.multi_use = stepper, unit_of, multi_use
+        self.device_steps = device_steps
         self.unit_size = {}
         for unit in unit_of.values():
             self.unit_size[unit] = self.unit_size.get(unit, 0) + 1
@@ -73,7 +76,11 @@ class HostGradSink:
             raise RuntimeError("a second backward before optimizer.step(): gradient accumulation needs the "
                                "optimizer bound with overlap_backward=False")
         if self.stepper is not None and id(p) in self.unit_of and not self.multi_use(self.unit_of[id(p)]):
-            self._copy_and_step(p, g)
+            if self.device_steps is not None and self.unit_of[id(p)] in self.device_steps.units:
+                self.queued.add(id(p))
+                self.device_steps.on_grad(self.unit_of[id(p)], p, g)
+            else:
+                self._copy_and_step(p, g)
             return
         if id(p) in self.pending:  # a second backward before after_backward: fold the first one in
             self.hidden[id(p)] = (p, self._fold(id(p)))
@@ -132,6 +139,8 @@ class HostGradSink:
         self.queued.clear()
         for unit in list(self.landing):  # units some of whose parameters got no gradient
             self._submit(unit)
+        if self.device_steps is not None:
+            self.device_steps.flush()
         late: dict[int, dict[int, torch.Tensor]] = {}  # steps started here: unit -> id(p) -> gradient
         for key in list(self.pending):
             p = self.pending[key][0]

@@ -68,6 +68,20 @@ class _Job:
         return all(event.query() for event in self.events)
 
 
+class _Landed:
+    """A step that ran elsewhere (``device_steps``): done once its copies out have landed."""
+
+    def __init__(self, event):
+        self.event = event
+
+    def is_set(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
 class HostStepper:
     """Steps ``optimizer`` for the parameters of each unit, on demand, off the main thread.
 
@@ -122,6 +136,14 @@ class HostStepper:
             self._jobs[unit] = job
             self._queue.append(job)
             self._cv.notify()
+
+    def track(self, unit: int, event) -> None:
+        """``unit`` stepped on the device; its host weights are new once ``event`` (its copies out)
+        has completed (``None``: already).  ``wait``, ``is_done`` and ``join`` see it like a job."""
+        job = _Job(unit, next(self._seq), [], [])
+        job.done = _Landed(event)
+        with self._cv:
+            self._jobs[unit] = job
 
     def wait(self, unit: int) -> None:
         job = self._jobs.get(unit)

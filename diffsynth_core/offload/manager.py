@@ -16,6 +16,7 @@ from .arena import HostArena, release_all
 from .shared_arena import SharedHostArena, shared_host_arena
 from .budget import GIB, BudgetTracker, auto_budget, forward_order, plan_residency, static_residency
 from .grads import GradAverager, HostGradSink, blocking_event
+from .device_steps import DeviceSteps
 from .host_optimizer import HostStepper
 from .plan import MIB, Plan, build_plan
 from .schedule import SuccessorSchedule
@@ -129,6 +130,7 @@ class OffloadTrainingManager:
         arenas = [self.arena] + ([self.grad_sink.arena] if self.grad_sink is not None else [])
         weakref.finalize(self, release_all, arenas).atexit = False
         self.stepper: HostStepper | None = None
+        self.device_steps: DeviceSteps | None = None
         self._optimizer_hooks: list = []
         self._order_hook = (optim_hooks.register_optimizer_step_pre_hook(self._check_step_order)
                             if self.grad_sink else None)
@@ -231,6 +233,8 @@ class OffloadTrainingManager:
         streamer = self.streamer
         if phase == "F" and torch.is_grad_enabled():
             self._forward_uses[unit.index] = self._forward_uses.get(unit.index, 0) + 1
+        if phase != "F" and self.device_steps is not None:
+            self.device_steps.backward_use(unit.index)
         if unit.index in self._streamed_ids:
             if phase == "F" and unit.index not in self._order_seen:
                 self._order_seen.add(unit.index)
@@ -301,7 +305,7 @@ class OffloadTrainingManager:
 
     # --- the optimizer -----------------------------------------------------------------------------
     def bind_optimizer(self, optimizer: torch.optim.Optimizer, overlap_backward: bool = False,
-                       threads: int | None = None) -> None:
+                       threads: int | None = None, device_step_share: float = 0.0) -> None:
         """Step the host (optimizer-offloaded) weights unit by unit on a worker thread.
 
         ``optimizer.step()`` then queues each unit's step and returns: the next forward waits only
@@ -311,22 +315,48 @@ class OffloadTrainingManager:
         no accumulation, no data parallel, no skipping a NaN/Inf step: it is applied already), and the
         host gradients never appear in ``.grad``.
         ``optimizer.state_dict()`` waits for the queued steps.  ``threads``: the worker's intra-op
-        threads (``None``: all of the process's but two, see ``host_optimizer``)."""
+        threads (``None``: all of the process's but two, see ``host_optimizer``).
+        ``device_step_share`` (with ``overlap_backward``): about that share of the trainable bytes,
+        the units the forward runs first, step on the device during backward instead, their state
+        paged through host memory (``device_steps``): the worker has that much less to do before
+        the next forward, for 4 weights' bytes over PCIe per such unit and its state on the GPU
+        while it steps."""
         if self.grad_sink is None:
             raise ValueError("bind_optimizer needs enable_optimizer_cpu_offload=True and trainable weights in the units")
         if overlap_backward and self.averager is not None:
             raise ValueError("overlap_backward cannot average gradients over ranks first; bind without it")
+        if not 0.0 <= device_step_share <= 1.0 or (device_step_share and not overlap_backward):
+            raise ValueError(f"device_step_share must be within [0, 1] and needs overlap_backward=True, "
+                             f"got {device_step_share!r}")
         units = {u.index: [(r.param, m) for r, m in zip(u.tensors, self.streamer.masters[u.index]) if r.trainable]
                  for u in self.plan.units if u.index in self._trainable_units}
         self.stepper = HostStepper(optimizer, units, threads)
         if overlap_backward:
+            self.device_steps = self._device_steps(optimizer, device_step_share)
             self.grad_sink.start_steps(self.stepper, {id(p): u for u, ps in self.stepper.reals.items() for p in ps},
-                                       lambda unit: self._forward_uses.get(unit, 0) > 1)
+                                       lambda unit: self._forward_uses.get(unit, 0) > 1, self.device_steps)
         else:
             self._optimizer_hooks.append(optimizer.register_step_pre_hook(self._queue_host_steps))
         self._optimizer_hooks.append(optimizer.register_state_dict_pre_hook(lambda opt: self.stepper.join()))
         self._optimizer_hooks.append(optimizer.register_load_state_dict_pre_hook(
             lambda opt, state: self.stepper.join()))
+
+    def _device_steps(self, optimizer: torch.optim.Optimizer, share: float) -> DeviceSteps | None:
+        """The units the forward runs first, up to ``share`` of the trainable bytes (at least one),
+        step on the device."""
+        if share <= 0:
+            return None
+        # the worker's units: (real parameter, its host master) of the weights the optimizer holds
+        units = {u: list(zip(reals, (s.data for s in self.stepper.subs[u][1])))
+                 for u, reals in self.stepper.reals.items()}
+        sizes = {u: sum(p.nbytes for p, _ in pairs) for u, pairs in units.items()}
+        order = [u.index for u in self.plan.units]  # blocks run in list order (the schedule's seed)
+        chosen, taken = {}, 0
+        for u in (u for u in order if u in units):
+            if chosen and taken + sizes[u] > share * sum(sizes.values()):
+                break
+            chosen[u], taken = units[u], taken + sizes[u]
+        return DeviceSteps(optimizer, chosen, order, self.device, self.stepper.track)
 
     def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Under ``vram_budget_gb``, plan room for the first ``optimizer.step()``'s peak as well (it
@@ -375,6 +405,8 @@ class OffloadTrainingManager:
         try:
             if self.stepper is not None:
                 self.stepper.close()  # a failed host step is raised after the model is given back
+            if self.device_steps is not None:
+                self.device_steps.close()
         finally:
             self.streamer.evict_all()
             handles = [h for hs in self._handles.values() for h in hs]
@@ -430,6 +462,8 @@ class OffloadTrainingManager:
                 "peak_bytes": budget.peak if budget else None,
                 "gpu_peak_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
                 "host_optimizer": dict(self.stepper.stats, threads=self.stepper.threads) if self.stepper else None,
+                "device_steps": dict(self.device_steps.stats, units=len(self.device_steps.units))
+                if self.device_steps else None,
                 **self.stats}
 
     def _check_attached(self) -> None:

@@ -243,6 +243,39 @@ def test_bound_optimizer_on_cuda_matches_stepping_after_backward():
         assert all(torch.equal(ref[k].cpu(), got[k].cpu()) for k in ref if k != "calls"), mode
 
 
+def test_steps_on_the_gpu_during_backward_match_the_host_steps():
+    """``device_step_share``: the first blocks step on the GPU (CUDA's fused AdamW: equal to the
+    CPU's to rounding), their state paged through pinned host memory, checkpointable as one."""
+    def run(share, steps=4):
+        torch.manual_seed(0)
+        model = ToyStack(d=256, n=6)
+        model.offset = model.offset.to(CUDA)
+        mgr = OffloadTrainingManager(model, CUDA, enable_optimizer_cpu_offload=True, poison_evicted=True)
+        opt = torch.optim.AdamW([p for p in model.parameters()], lr=1e-3, fused=True)
+        mgr.bind_optimizer(opt, overlap_backward=True, device_step_share=share)
+        for step in range(steps):
+            x = torch.randn(64, 256, generator=torch.Generator().manual_seed(step)).to(CUDA)
+            model(x).pow(2).mean().backward()
+            mgr.after_backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        state = opt.state_dict()
+        stats = mgr.report()["device_steps"]
+        mgr.detach()
+        return model.state_dict(), state, stats
+    ref, ref_state, _ = run(0.0)
+    got, state, stats = run(0.5)
+    assert stats["units"] == 3 and stats["units_stepped"] == 4 * 2  # blocks[0] runs twice: the worker's
+    assert stats["late_state_in"] == 0 and stats["h2d_bytes"] > 0
+    for k in ref:
+        if k != "calls":
+            torch.testing.assert_close(got[k].cpu(), ref[k].cpu(), rtol=1e-5, atol=1e-6)
+    for i, s in ref_state["state"].items():
+        for key in s:
+            assert state["state"][i][key].device.type == "cpu"  # the state lives on the host
+            torch.testing.assert_close(state["state"][i][key], s[key], rtol=1e-5, atol=1e-6)
+
+
 def _nccl_worker(rank, init_file, out_dir, optimizer_offload):
     import os
 

@@ -306,3 +306,67 @@ def test_lora_adapters_step_on_the_host_bitwise_like_plain_lora():
     assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
     initial = _adapters(_lora_model())
     assert any(not torch.equal(initial[k], ref[k]) for k in ref)  # the adapters did train
+
+
+def _device_share_run(share: float | None, steps: int = 4, resume_at: int | None = None):
+    """AdamW with a changing lr, the optimizer bound with ``device_step_share=share`` (None: no
+    engine); ``resume_at``: stop there, rebuild model, engine and optimizer from their state dicts."""
+    def build(model_state=None, opt_state=None):
+        model = _model()
+        if model_state is not None:
+            model.load_state_dict(model_state)
+        mgr = None
+        if share is not None:
+            mgr = OffloadTrainingManager(model, "cpu", enable_optimizer_cpu_offload=True, poison_evicted=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        if opt_state is not None:
+            opt.load_state_dict(opt_state)
+        if mgr is not None:
+            mgr.bind_optimizer(opt, overlap_backward=True, device_step_share=share)
+        return model, mgr, opt
+    model, mgr, opt = build()
+    losses, stats = [], []
+    for step in range(steps):
+        if step == resume_at:
+            opt_state = opt.state_dict()  # waits for every step, host or device
+            if mgr is not None:
+                stats.append(mgr.report()["device_steps"])
+                mgr.detach()
+            model, mgr, opt = build(model.state_dict(), opt_state)
+        for group in opt.param_groups:
+            group["lr"] = 1e-2 / (step + 1)
+        loss = model(_data(step, 0)).pow(2).mean()
+        loss.backward()
+        if mgr is not None:
+            mgr.after_backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    state = opt.state_dict()
+    if mgr is not None:
+        stats.append(mgr.report()["device_steps"])
+        mgr.detach()
+    return losses, model.state_dict(), state, stats
+
+
+@pytest.mark.parametrize("share", [0.5, 1.0])
+def test_steps_on_the_device_during_backward_are_bitwise_those_of_the_host(share):
+    ref = _device_share_run(None)
+    for got in (_device_share_run(share), _device_share_run(share, resume_at=2)):
+        assert all(torch.equal(a, b) for a, b in zip(ref[0], got[0]))
+        assert all(torch.equal(ref[1][k], got[1][k]) for k in ref[1] if k != "calls")
+        for i, s in ref[2]["state"].items():  # one optimizer, its state checkpointable as usual
+            assert all(torch.equal(s[k], got[2]["state"][i][k]) for k in s)
+    stats = _device_share_run(share)[3][0]
+    # the first units in forward order; blocks[0] runs twice a forward, so the worker steps it
+    assert stats["units"] == (2 if share < 1 else 5)
+    assert stats["units_stepped"] == 4 * (stats["units"] - 1) and stats["late_state_in"] == 0
+
+
+def test_device_steps_need_overlap_backward_and_a_share_within_0_and_1():
+    mgr = OffloadTrainingManager(_model(), "cpu", enable_optimizer_cpu_offload=True)
+    opt = torch.optim.AdamW(mgr.model.parameters(), lr=1e-2)
+    for kwargs in ({"device_step_share": 0.5}, {"device_step_share": 1.5, "overlap_backward": True}):
+        with pytest.raises(ValueError, match="device_step_share"):
+            mgr.bind_optimizer(opt, **kwargs)
+    mgr.detach()
