@@ -271,9 +271,12 @@ def test_steps_on_the_gpu_during_backward_match_the_host_steps():
         if k != "calls":
             torch.testing.assert_close(got[k].cpu(), ref[k].cpu(), rtol=1e-5, atol=1e-6)
     for i, s in ref_state["state"].items():
-        for key in s:
-            assert state["state"][i][key].device.type == "cpu"  # the state lives on the host
+        for key in s:  # blocks' state on the host, the rest (embed, head) on the GPU, in both runs
+            assert state["state"][i][key].device == s[key].device
             torch.testing.assert_close(state["state"][i][key], s[key], rtol=1e-5, atol=1e-6)
+    on_host = [s["exp_avg"] for s in state["state"].values() if s["exp_avg"].device.type == "cpu"]
+    # 6 weights a block; the device units' state (blocks 0-2, also the one the worker steps) is pinned
+    assert len(on_host) == 6 * 6 and sum(t.is_pinned() for t in on_host) == 3 * 6
 
 
 def _nccl_worker(rank, init_file, out_dir, optimizer_offload):
