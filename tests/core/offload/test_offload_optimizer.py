@@ -21,6 +21,17 @@ def _data(step, micro):
     return torch.randn(4, 16, generator=torch.Generator().manual_seed(100 * step + micro))
 
 
+def _train_step(model, mgr, opt, step: int) -> torch.Tensor:
+    """One step on ``_data(step, 0)`` as a training loop runs it with the engine (``mgr``) or without."""
+    loss = model(_data(step, 0)).pow(2).mean()
+    loss.backward()
+    if mgr is not None:
+        mgr.after_backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
 def _run(engine: bool, accumulate: int, **opts):
     model = _model()
     mgr = OffloadTrainingManager(model, "cpu", enable_optimizer_cpu_offload=True, poison_evicted=True,
@@ -286,15 +297,7 @@ def test_lora_adapters_step_on_the_host_bitwise_like_plain_lora():
         if mgr is not None:
             assert {id(p) for p in mgr.plan.host_trainable} == {id(p) for p in adapters}
             mgr.bind_optimizer(opt)
-        losses = []
-        for step in range(3):
-            loss = model(_data(step, 0)).pow(2).mean()
-            loss.backward()
-            if mgr is not None:
-                mgr.after_backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
+        losses = [_train_step(model, mgr, opt, step) for step in range(3)]
         opt.state_dict()  # waits for the queued host steps
         if mgr is not None:
             assert mgr.report()["host_optimizer"]["jobs"] > 0
@@ -335,13 +338,7 @@ def _device_share_run(share: float | None, steps: int = 4, resume_at: int | None
             model, mgr, opt = build(model.state_dict(), opt_state)
         for group in opt.param_groups:
             group["lr"] = 1e-2 / (step + 1)
-        loss = model(_data(step, 0)).pow(2).mean()
-        loss.backward()
-        if mgr is not None:
-            mgr.after_backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
+        losses.append(_train_step(model, mgr, opt, step))
     state = opt.state_dict()
     if mgr is not None:
         stats.append(mgr.report()["device_steps"])
