@@ -61,7 +61,8 @@ class DeviceSteps:
     """Steps ``units`` (index -> [(real parameter, host master)]) on ``device``; ``forward_order``:
     every unit's index in the order the forward runs them.
 
-    ``on_grad(unit, param, grad)``: a device gradient arrived (False: not ours, route it elsewhere);
+    ``on_grad(unit, param, grad)``: a device gradient of one of ``unit``'s weights arrived (the
+    unit steps once all its weights have theirs);
     ``backward_use(unit)``: backward reached ``unit`` (page in the state of what steps next);
     ``flush()``: after backward, step units some of whose weights got no gradient.  The events of
     each unit's copies out are handed to ``track(unit, event)`` (``HostStepper.track``), which the
@@ -76,7 +77,6 @@ class DeviceSteps:
         self.forward_order = forward_order  # every unit's index; backward meets them in reverse
         self.position = {u: i for i, u in enumerate(forward_order)}
         self.group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
-        self.unit_of = {id(real): u for u, pairs in units.items() for real, _ in pairs}
         self.index_of = {id(real): i for pairs in units.values() for i, (real, _) in enumerate(pairs)}
         self.state: dict[int, _UnitState] = {}
         self.grads: dict[int, dict[int, torch.Tensor]] = {}  # unit -> param index -> device gradient
