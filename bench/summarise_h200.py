@@ -13,7 +13,7 @@ from pathlib import Path
 STACK_KEYS = ("step_s", "step_over_bound", "step_over_resident", "median_pair_ratio", "pooled_ratio", "peak_gib",
               "h2d_gb_per_step", "stalls", "error")  # median_pair_ratio, pooled_ratio: interleaved rows
 OFFLOAD_KEYS = ("step_s", "step_over_resident", "step_over_resident_compiled", "host_issue_s",
-                "step_over_max_gpu_or_cpu_adamw", "gpu_peak_torch_gb",
+                "step_over_max_gpu_or_cpu_adamw", "gpu_peak_gb", "gpu_peak_torch_gb",
                 "gpu_peak_nvml_gb", "host_peak_over_dit", "budget_units", "compact_units", "h2d_gb_per_step",
                 "planned_h2d_gb_per_step", "slowdown", "host_adamw_s_per_step", "gpu_forward_s",
                 "gpu_after_forward_s", "error")
