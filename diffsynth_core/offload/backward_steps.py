@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from .arena import HostArena, release_all
-from .host_optimizer import sub_optimizer
+from .host_optimizer import groups_over, sub_optimizer
 from .optimizer_state import StatePage, moves_to_host
 
 
@@ -138,9 +138,7 @@ class StepInBackward:
         self.pages.append(page)
         for p in page.params:
             self.page_of[id(p)] = page
-        page.groups = sorted({self.group_of[id(p)] for p in page.params})
-        groups = [{**self.optimizer.param_groups[gi], "params": [p for p in page.params if self.group_of[id(p)] == gi]}
-                  for gi in page.groups]
+        groups, page.groups = groups_over(self.optimizer, self.group_of, page.params, page.params)
         page.sub = sub_optimizer(self.optimizer, groups)
         page.sub.state = self.optimizer.state  # the real weights: one state, one state_dict() (set again at each step)
         page.ready = {id(p) for p in page.params}

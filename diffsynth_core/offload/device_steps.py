@@ -33,18 +33,14 @@ tests check).
 from __future__ import annotations
 
 import weakref
-from contextlib import nullcontext
 
 import torch
 from torch import nn
 
 from .arena import HostArena, host_copies, release_all, typed_view
 from .grads import blocking_event
-from .host_optimizer import sub_optimizer
-
-
-def _on(stream):
-    return torch.cuda.stream(stream) if stream is not None else nullcontext()
+from .host_optimizer import groups_over, sub_optimizer
+from .optimizer_state import _on
 
 
 class _UnitState:
@@ -175,9 +171,7 @@ class DeviceSteps:
         stand_ins = [nn.Parameter(w) for w in weights]
         for i, s in enumerate(stand_ins):
             s.grad = grads.get(i)
-        used = sorted({self.group_of[id(real)] for real, _ in pairs})
-        groups = [{**self.optimizer.param_groups[gi], "params": [s for s, (r, _) in zip(stand_ins, pairs)
-                                                                 if self.group_of[id(r)] == gi]} for gi in used]
+        groups, _ = groups_over(self.optimizer, self.group_of, [real for real, _ in pairs], stand_ins)
         sub = sub_optimizer(self.optimizer, groups)
         if state is not None:
             for i, key, _, _ in state.layout:

@@ -58,6 +58,15 @@ def sub_optimizer(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch
     return sub
 
 
+def groups_over(optimizer: torch.optim.Optimizer, group_of: dict[int, int], reals: list, stand_ins: list
+                ) -> tuple[list[dict], list[int]]:
+    """The user's groups that hold ``reals`` (``group_of``: id(parameter) -> group index), each with
+    its settings and the ``stand_ins`` of its weights in their place; and those groups' indices."""
+    used = sorted({group_of[id(real)] for real in reals})
+    return [{**optimizer.param_groups[gi],
+             "params": [s for s, real in zip(stand_ins, reals) if group_of[id(real)] == gi]} for gi in used], used
+
+
 class _Job:
     def __init__(self, unit: int, seq: int, grads: list, events: list):
         self.unit, self.seq, self.grads, self.events = unit, seq, grads, events
@@ -110,9 +119,7 @@ class HostStepper:
             if not pairs:
                 continue
             stand_ins = [nn.Parameter(master) for _, master in pairs]
-            used = sorted({group_of[id(real)] for real, _ in pairs})
-            groups = [{**optimizer.param_groups[gi], "params": [s for s, (r, _) in zip(stand_ins, pairs)
-                                                               if group_of[id(r)] == gi]} for gi in used]
+            groups, used = groups_over(optimizer, group_of, [real for real, _ in pairs], stand_ins)
             sub = sub_optimizer(optimizer, groups)
             sub.state = _StateOfReal(optimizer, {id(s): r for s, (r, _) in zip(stand_ins, pairs)})
             self.subs[unit] = (sub, stand_ins, used)

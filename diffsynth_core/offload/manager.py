@@ -325,7 +325,8 @@ class OffloadTrainingManager:
             raise ValueError("bind_optimizer needs enable_optimizer_cpu_offload=True and trainable weights in the units")
         if overlap_backward and self.averager is not None:
             raise ValueError("overlap_backward cannot average gradients over ranks first; bind without it")
-        if not 0.0 <= device_step_share <= 1.0 or (device_step_share and not overlap_backward):
+        if not isinstance(device_step_share, (int, float)) or not 0.0 <= device_step_share <= 1.0 or \
+                (device_step_share and not overlap_backward):
             raise ValueError(f"device_step_share must be within [0, 1] and needs overlap_backward=True, "
                              f"got {device_step_share!r}")
         units = {u.index: [(r.param, m) for r, m in zip(u.tensors, self.streamer.masters[u.index]) if r.trainable]
