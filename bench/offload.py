@@ -467,13 +467,15 @@ def case_qwen20b(a) -> dict:
     bf16_24 = [*common, "--offload", "--budget-gib", f"{24e9 / GIB:.3f}"]
     rows = {"resident": common, "budget_24gb": bf16_24, "budget_24gb_act": [*bf16_24, "--act-offload"],
             "fp8_budget_24gb": [*bf16_24, "--storage", "float8_e4m3fn"],
+            "packed_budget_24gb": [*bf16_24, "--storage", "packed_bfloat16"],
+            "packed_budget_24gb_act": [*bf16_24, "--storage", "packed_bfloat16", "--act-offload"],
             "fp8_budget_16gb": fp8_16, "fp8_budget_16gb_act": [*fp8_16, "--act-offload"],
             "fp8_budget_16gb_prefetch2": [*fp8_16, "--prefetch", "2"],
             "fp8_budget_16gb_oldloop": [*fp8_16, "--old-loop"],
             "fp8_budget_16gb_pertensor": [*fp8_16, "--per-tensor-widening"]}
     rows.update({f"{name}_compiled": [*args, "--compile"] for name, args in list(rows.items())
                  if name in ("resident", "budget_24gb", "budget_24gb_act", "fp8_budget_24gb", "fp8_budget_16gb",
-                             "fp8_budget_16gb_act")})
+                             "fp8_budget_16gb_act", "packed_budget_24gb", "packed_budget_24gb_act")})
     # torch's fused AdamW kernel instead of its for-each one (no state-sized temporaries, fewer launches)
     rows.update({f"{name}_fused": [*rows[name], "--fused-adamw"]
                  for name in ("resident_compiled", "budget_24gb_compiled", "budget_24gb_act_compiled",
@@ -504,7 +506,7 @@ def case_qwen20b(a) -> dict:
         if compiled and row.get("step_s") and "_compiled" in name and name != "resident_compiled":
             row["step_over_resident_compiled"] = row["step_s"] / compiled
         base = res.get("resident_compiled" if "_compiled" in name else "resident", {})
-        if row.get("budget_gb") and base.get("gpu_forward_s") and "fp8" not in name:  # bf16 bytes only
+        if row.get("budget_gb") and base.get("gpu_forward_s") and "fp8" not in name and "packed" not in name:  # bf16 bytes only
             row["lower_bound"] = forward_copy_bound(base, row)
     return res
 
@@ -601,14 +603,15 @@ def case_widen(a) -> dict:
         res["triton_ms"] = ms(lambda: widen_cuda.widen_rows(q, scales, out))
         res["bitwise_equal"] = bool(torch.equal(out.view(torch.int16), eager.view(torch.int16)))
         res["speedup"] = res["eager_ms"] / res["triton_ms"]
-    res["unit"] = _widen_unit(a, dev)
+    res["unit"] = _widen_unit(a, dev, torch.float8_e4m3fn)
+    res["unit_packed"] = _widen_unit(a, dev, "packed_bfloat16")
     return res
 
 
-def _widen_unit(a, dev: torch.device) -> dict:
-    """One real-width Qwen-Image block stored in fp8, widened from a device copy into a slot: tensor
-    by tensor against the batched ``widening.UnitWidening``: host time to issue one widening (what
-    the training step pays), GPU time, and whether both give the same bits."""
+def _widen_unit(a, dev: torch.device, storage) -> dict:
+    """One real-width Qwen-Image block stored in fp8 (or packed bf16), widened from a device copy
+    into a slot: tensor by tensor against the batched ``widening.UnitWidening``: host time to issue
+    one widening (what the training step pays), GPU time, and whether both give the same bits."""
     from diffsynth_core.models import qwen_image
     from diffsynth_core.models.random_models import build_random_transformer
     from diffsynth_core.offload.arena import HostArena, typed_view
@@ -618,7 +621,8 @@ def _widen_unit(a, dev: torch.device) -> dict:
     real = qwen_image.TRANSFORMER_CONFIGS["tiny" if a.quick else "Qwen-Image"]
     model = build_random_transformer(qwen_image.TRANSFORMER_CLASS, {"w": {**real, "num_layers": 2}}, "w",
                                      torch.bfloat16, dev).requires_grad_(False)
-    plan = build_plan(model, dev, "block", None, False, torch.float8_e4m3fn)
+    plan = build_plan(model, dev, "block", None, False, storage)
+    originals = [r.param.data.clone() for r in plan.units[0].tensors]
     arena = HostArena(plan.arena_bytes)
     plan.fill_arena(arena)
     unit = plan.units[0]
@@ -626,7 +630,9 @@ def _widen_unit(a, dev: torch.device) -> dict:
     batched = UnitWidening(unit, dev)
     outs = {}
     res = {"tensors": len(unit.tensors), "fp8_tensors": sum(r.quantized for r in unit.tensors),
-           "batched_launch_groups": len(batched.groups)}
+           "packed_tensors": sum(r.packed for r in unit.tensors), "escapes": unit.escapes,
+           "stored_over_widened_bytes": unit.host_bytes / unit.dev_bytes,
+           "batched_launch_groups": len(batched.groups) + len(batched.packed_groups)}
     for name, widen in (("per_tensor", lambda dst, views: widen_each(unit, src, views)),
                         ("batched", lambda dst, views: batched.run(src, dst, views))):
         dst = torch.zeros(unit.dev_bytes, dtype=torch.uint8, device=dev)
@@ -645,6 +651,10 @@ def _widen_unit(a, dev: torch.device) -> dict:
         res[name] = {"host_us_per_unit": host * 1e6, "wall_us_per_unit": total * 1e6}
         outs[name] = dst
     res["bitwise_equal"] = bool(torch.equal(outs["per_tensor"], outs["batched"]))
+    if storage == "packed_bfloat16":  # lossless: the very bits of the weights
+        views = [typed_view(outs["batched"], r.dev_offset, r.compute_dtype, r.shape) for r in unit.tensors]
+        res["bitwise_equal_to_weights"] = all(torch.equal(v.view(torch.uint8).cpu(), o.view(torch.uint8).cpu())
+                                              for v, o in zip(views, originals))
     res["host_speedup"] = res["per_tensor"]["host_us_per_unit"] / res["batched"]["host_us_per_unit"]
     return res
 

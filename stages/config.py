@@ -290,8 +290,9 @@ class OffloadSection(_Section):
     vram_budget_gb: float | Literal["auto"] = 0.0
     prefetch: int = Field(1, ge=0)
     granularity: Literal["block", "leaf"] = "block"
-    # Host copy (and copies to the GPU) of frozen weights; fp8 uses one scale per row.
-    storage_dtype: Literal["float8_e4m3fn", "float8_e5m2", "bfloat16", "float16"] | None = None
+    # Host copy (and copies to the GPU) of frozen weights; fp8 uses one scale per row;
+    # "packed_bfloat16" keeps bf16 weights in ~12 bits each, lossless (docs/offload.md).
+    storage_dtype: Literal["float8_e4m3fn", "float8_e5m2", "bfloat16", "float16", "packed_bfloat16"] | None = None
 
     @field_validator("vram_budget_gb", mode="before")
     @classmethod

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from . import packed
 from .arena import typed_view
 from .quant import dequantize_rows, quantize_rows
 from .units import TensorRecord, Unit, align_up, candidate_modules, find_block_containers, owners_of
@@ -55,21 +56,26 @@ class Plan:
 
     # --- host copies ---------------------------------------------------------------------------
     def fill_arena(self, arena, copy: bool = True) -> None:
-        """Copy every unit's weights into the arena (fp8 codes + scales where asked), one tensor at a
-        time, dropping each original as it goes: host RAM never holds two copies of the model.
-        ``copy=False``: another process filled this (shared) arena; only point the weights at it."""
-        quantize_on = self.device if self.device.type == "cuda" else None
+        """Copy every unit's weights into the arena (fp8 codes + scales, or packed codes, where
+        asked), one tensor at a time, dropping each original as it goes: host RAM never holds two
+        copies of the model.  ``copy=False``: another process filled this (shared) arena; only point
+        the weights at it."""
         for unit in self.units:
             for rec in unit.tensors:
                 master = master_view(arena.buffer, unit, rec)
                 if copy and rec.quantized:
-                    src = rec.param.data if quantize_on is None else rec.param.data.to(quantize_on)
-                    q, scales = quantize_rows(src, rec.store_dtype)
+                    q, scales = quantize_rows(self._encode_on(rec.param.data), rec.store_dtype)
                     master.copy_(q)
                     scale_view(arena.buffer, unit, rec).copy_(scales)
+                elif copy and rec.packed:
+                    _fill_packed(arena.buffer, unit, rec, self._encode_on(rec.param.data))
                 elif copy:
                     master.copy_(rec.param.data)
                 rec.param.data = master
+
+    def _encode_on(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` where encoding it is fastest: the CUDA target if there is one."""
+        return weight.to(self.device) if self.device.type == "cuda" else weight
 
     # --- device copies kept for good (budget) --------------------------------------------------
     def set_budget(self, keep: list[Unit], streamer, compact: list[Unit] = ()) -> None:
@@ -139,6 +145,11 @@ def _restored(arena_buffer: torch.Tensor, unit: Unit, rec: TensorRecord, on_devi
         return data.to(device=rec.orig_device, dtype=rec.orig_dtype, copy=True)
     if rec.quantized:
         return dequantize_rows(data, scale_view(arena_buffer, unit, rec), rec.orig_dtype).to(rec.orig_device)
+    if rec.packed:
+        positions, bits = escape_views(arena_buffer, unit, rec)
+        weight = packed.decode(data, nibble_view(arena_buffer, unit, rec), rec.packed_base,
+                               positions - rec.dev_offset // 2, bits)
+        return weight.to(rec.orig_device)
     if in_place and data.dtype == rec.orig_dtype and rec.orig_device.type == "cpu":
         return data  # in place: the arena's memory becomes the weight's memory
     return data.to(device=rec.orig_device, dtype=rec.orig_dtype, copy=True)
@@ -152,6 +163,35 @@ def scale_view(buf: torch.Tensor, unit: Unit, rec: TensorRecord) -> torch.Tensor
     return typed_view(buf, unit.host_offset + rec.scale_offset, torch.float32, torch.Size([rec.shape[0]]))
 
 
+def nibble_view(buf: torch.Tensor, unit: Unit, rec: TensorRecord, base: int | None = None) -> torch.Tensor:
+    """A packed tensor's exponent codes in ``buf`` (the arena, or ``unit``'s region from ``base``)."""
+    start = unit.host_offset if base is None else base
+    return typed_view(buf, start + rec.nibble_offset, torch.uint8, torch.Size([packed.half(rec.numel)]))
+
+
+def escape_views(buf: torch.Tensor, unit: Unit, rec: TensorRecord | None = None,
+                 base: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, bits) of ``unit``'s escape table in ``buf`` (the arena, or the unit's region from
+    ``base``), or only ``rec``'s rows; positions count int16 elements of the compute layout."""
+    start = unit.host_offset if base is None else base
+    first, rows = (0, unit.escapes) if rec is None else (rec.escape_start, rec.escapes)
+    positions = typed_view(buf, start + unit.escape_offset + 8 * first, torch.int64, torch.Size([rows]))
+    bits = typed_view(buf, start + unit.escape_bits_offset + 2 * first, torch.int16, torch.Size([rows]))
+    return positions, bits
+
+
+def _fill_packed(buf: torch.Tensor, unit: Unit, rec: TensorRecord, weight: torch.Tensor) -> None:
+    lows, nibbles, positions, bits = packed.pack(weight, rec.packed_base)
+    if positions.numel() != rec.escapes:  # the weight changed between planning and filling
+        raise RuntimeError(f"offload: {unit.name} changed while the engine attached "
+                           f"({positions.numel()} escapes, {rec.escapes} planned)")
+    master_view(buf, unit, rec).copy_(lows)
+    nibble_view(buf, unit, rec).copy_(nibbles)
+    table_positions, table_bits = escape_views(buf, unit, rec)
+    table_positions.copy_(positions + rec.dev_offset // 2)
+    table_bits.copy_(bits)
+
+
 def build_plan(model: nn.Module, device: torch.device, granularity: str, block_container_names,
                optimizer_offload: bool, storage_dtype, trainable_dtype: torch.dtype | None = None,
                split_bytes: int | None = None) -> Plan:
@@ -163,7 +203,7 @@ def build_plan(model: nn.Module, device: torch.device, granularity: str, block_c
         unit = Unit(len(units), name, mod)
         for p, inside in _subtree_params(mod):
             if claimed[id(p)] == 1 and inside == owners[id(p)] and (optimizer_offload or not p.requires_grad):
-                unit.tensors.append(_record(p, storage_dtype))
+                unit.tensors.append(_record(p, storage_dtype, device))
                 unit_param_ids.add(id(p))
         if unit.tensors:
             unit.layout()
@@ -200,13 +240,27 @@ def _subtree_params(mod: nn.Module):
     return [(p, n) for p, n in inside.values()]
 
 
-def _record(p: nn.Parameter, storage_dtype) -> TensorRecord:
+def _record(p: nn.Parameter, storage_dtype, device: torch.device) -> TensorRecord:
+    if storage_dtype == packed.PACKED:
+        return _packed_record(p, device)
     store = p.dtype
     if storage_dtype is not None and not p.requires_grad and p.dtype.is_floating_point:
         # fp8 codes need a row to scale: 1-D tensors (biases, norm scales) keep their dtype.
         if p.dim() >= 2 or storage_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
             store = storage_dtype
     return TensorRecord(p, p.shape, p.dtype, p.device, store, p.dtype)
+
+
+def _packed_record(p: nn.Parameter, device: torch.device) -> TensorRecord:
+    """A frozen bf16 weight of two or more dimensions packed (``packed``) unless its exponents
+    spread so wide that escapes would cost more than they save; anything else as it is."""
+    rec = TensorRecord(p, p.shape, p.dtype, p.device, p.dtype, p.dtype)
+    if p.requires_grad or not packed.packable(p.data):
+        return rec
+    base, escapes = packed.choose_base(p.data.to(device) if device.type == "cuda" else p.data)
+    if escapes <= p.numel() * packed.MAX_ESCAPE_SHARE:
+        rec.store_dtype, rec.packed, rec.packed_base, rec.escapes = torch.uint8, True, base, escapes
+    return rec
 
 
 def _place_in_arena(plan: Plan) -> None:

@@ -151,6 +151,6 @@ def _weights_digest(plan) -> str:
         for rec in unit.tensors:
             flat = rec.param.data.reshape(-1)
             sample = flat[:: max(1, flat.numel() // _SAMPLES)][:_SAMPLES].detach().cpu().contiguous()
-            digest.update(str((rec.shape, rec.store_dtype)).encode())
+            digest.update(str((rec.shape, rec.store_dtype, rec.packed_base, rec.escapes)).encode())
             digest.update(sample.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .packed import half
 from .quant import FP8_MAX
 
 ALIGN = 64  # bytes; every tensor starts on a 64-byte boundary inside a unit's region
@@ -39,6 +40,11 @@ class TensorRecord:
     host_offset: int = 0  # into the unit's host region (store layout; also the staging layout)
     dev_offset: int = 0  # into a device slot (compute layout)
     scale_offset: int = -1  # per-row float32 scales after the data in the host region (fp8 storage)
+    packed: bool = False  # stored as 12-bit codes (``packed``): lows at host_offset, then nibbles
+    packed_base: int = 0  # the first exponent of the window codes 1..14 stand for
+    escapes: int = 0  # weights whose exponent has no code: their bits are kept in the unit's escape table
+    nibble_offset: int = -1  # into the unit's host region (packed storage)
+    escape_start: int = 0  # this tensor's first row in the unit's escape table
 
     @property
     def numel(self) -> int:
@@ -68,6 +74,9 @@ class Unit:
     dev_bytes: int = 0  # bytes in a device slot (compute layout)
     host_offset: int = 0  # into the arena
     plain_bytes: int = 0  # leading bytes stored as computed: identical in both layouts
+    escapes: int = 0  # rows of the escape table of its packed tensors (``packed``)
+    escape_offset: int = 0  # positions (int64, in int16 elements of the compute layout) in the host region
+    escape_bits_offset: int = 0  # their bits (int16), after the positions
 
     def layout(self) -> None:
         """Assign 64-byte aligned offsets: host (store dtype) and device (compute dtype) layouts.
@@ -75,17 +84,25 @@ class Unit:
         casts, the tensors stored as computed come first (a stable sort): they sit at the same offsets
         in both layouts, so one copy of ``plain_bytes`` lands them all (``widening``)."""
         self.tensors.sort(key=lambda rec: rec.needs_cast)
-        host = dev = 0
+        host = dev = self.escapes = 0
         for rec in self.tensors:
             rec.host_offset = host
             host = align_up(host + rec.numel * rec.store_dtype.itemsize)
             if rec.quantized:
                 rec.scale_offset = host
                 host = align_up(host + rec.shape[0] * 4)
+            if rec.packed:
+                rec.nibble_offset = host
+                host = align_up(host + half(rec.numel))
+                rec.escape_start, self.escapes = self.escapes, self.escapes + rec.escapes
             rec.dev_offset = dev
             dev = align_up(dev + rec.numel * rec.compute_dtype.itemsize)
             if not rec.needs_cast:
                 self.plain_bytes = dev
+        if self.escapes:  # one table for the unit: one launch writes every escaped weight back
+            self.escape_offset = host
+            self.escape_bits_offset = host = align_up(host + self.escapes * 8)
+            host = align_up(host + self.escapes * 2)
         self.host_bytes, self.dev_bytes = host, dev
 
     @property

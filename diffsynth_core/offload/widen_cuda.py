@@ -94,12 +94,12 @@ def widen_rows(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> bool
     def launch():
         kernel, cdiv = _kernel()
         kernel[(rows, cdiv(q.numel() // rows, BLOCK))](q, scales, out, q.numel() // rows, BLOCK=BLOCK)
-    return _launched(q, out, launch)
+    return launched(q, out, launch)
 
 
-def _launched(q: torch.Tensor, out: torch.Tensor, launch) -> bool:
+def launched(q: torch.Tensor, out: torch.Tensor, launch, what: str = "the one-pass fp8 widening") -> bool:
     """Run ``launch`` (a kernel widening ``q`` into ``out``) unless Triton is missing or cannot
-    compile for this GPU and these dtypes; whether it ran."""
+    compile for this GPU and these dtypes; whether it ran.  ``what`` names the kernel in the warning."""
     key = (torch.cuda.get_device_capability(q.device), q.dtype, out.dtype)
     if key in _unsupported or not _triton_importable():
         return False
@@ -107,8 +107,8 @@ def _launched(q: torch.Tensor, out: torch.Tensor, launch) -> bool:
         launch()
     except Exception as err:  # compilation failed for this GPU: widen eagerly from now on
         _unsupported.add(key)
-        warnings.warn(f"offload: the one-pass fp8 widening does not compile here ({type(err).__name__}); "
-                      f"using PyTorch's two-pass widening", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"offload: {what} does not compile here ({type(err).__name__}); "
+                      f"using PyTorch's eager code instead", RuntimeWarning, stacklevel=3)
         return False
     return True
 
@@ -134,5 +134,5 @@ def widen_segments(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, tab
     tensor, n, programs = table
     if not (q.is_cuda and programs > 0):
         return False
-    return _launched(q, out, lambda: _segments_kernel()[(programs,)](q, scales, out, tensor, n,
+    return launched(q, out, lambda: _segments_kernel()[(programs,)](q, scales, out, tensor, n,
                                                                       MAXSEG=tensor.shape[1], BLOCK=BLOCK))

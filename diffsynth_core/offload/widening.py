@@ -9,7 +9,9 @@ step time.  So a unit is widened in two moves:
 * the tensors stored as computed (biases, norm scales) lead both layouts at the same offsets
   (``Unit.layout``): one copy of ``plain_bytes`` lands them all;
 * its fp8 tensors of one (storage, compute) dtype pair go through ``widen_cuda.widen_segments``,
-  one launch per ``SEGMENTS`` tensors.
+  one launch per ``SEGMENTS`` tensors;
+* its packed bf16 tensors go through ``packed_cuda.unpack_segments``, one launch per ``SEGMENTS``
+  tensors, and one ``index_copy_`` writes back the escaped weights of them all.
 
 Whatever the kernel does not cover (no Triton, a CPU target, another cast) is widened tensor by
 tensor, as ``quant.dequantize_rows`` defines it; every path gives the same bits.
@@ -19,8 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from . import widen_cuda
+from . import packed, packed_cuda, widen_cuda
 from .arena import typed_view
+from .plan import escape_views, nibble_view
 from .quant import dequantize_rows
 from .units import TensorRecord, Unit
 
@@ -34,6 +37,7 @@ class UnitWidening:
         self.unit = unit
         self.plain = sum(not rec.needs_cast for rec in unit.tensors)  # they lead (Unit.layout)
         self.groups: list[tuple[torch.dtype, torch.dtype, set[int], tuple]] = []
+        self.packed_groups: list[tuple] = []  # tables of ``packed_cuda.unpack_segments``
         if device.type == "cuda":
             self._plan_batches(device)
 
@@ -49,6 +53,11 @@ class UnitWidening:
                              r.shape[0], r.numel // r.shape[0]) for r in chunk]
                 table = widen_cuda.segment_table(segments, device)
                 self.groups.append((store, compute, {id(r) for r in chunk}, table))
+        recs = [rec for rec in self.unit.tensors[self.plain:] if rec.packed]
+        for i in range(0, len(recs), SEGMENTS):
+            segments = [(r.host_offset, r.nibble_offset, r.dev_offset // 2, r.numel, r.packed_base)
+                        for r in recs[i:i + SEGMENTS]]
+            self.packed_groups.append(packed_cuda.segment_table(segments, device))
 
     def run(self, src: torch.Tensor, dst: torch.Tensor, views: list[torch.Tensor]) -> None:
         """Widen from ``src`` (uint8, the unit's stored layout from its start) into ``dst`` (uint8, the
@@ -60,9 +69,13 @@ class UnitWidening:
         for store, compute, ids, table in self.groups:
             if widen_cuda.widen_segments(_flat(src, store), _flat(src, torch.float32), _flat(dst, compute), table):
                 done |= ids
+        if self.packed_groups and all([packed_cuda.unpack_segments(src, _flat(dst, torch.int16), table)
+                                       for table in self.packed_groups]):
+            packed.patch(_flat(dst, torch.int16), *escape_views(src, self.unit, base=0))
+            done |= {id(rec) for rec in self.unit.tensors if rec.packed}
         for rec, view in zip(self.unit.tensors[self.plain:], views[self.plain:]):
             if id(rec) not in done:
-                widen_one(rec, src, view)
+                widen_one(self.unit, rec, src, view)
 
 
 def _flat(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -74,14 +87,18 @@ def widen_each(unit: Unit, src: torch.Tensor, views: list[torch.Tensor]) -> None
     """The whole unit tensor by tensor: the reference the batched moves must equal (and what the
     engine did before them; ``bench.offload``'s ``_pertensor`` rows)."""
     for rec, view in zip(unit.tensors, views):
-        widen_one(rec, src, view)
+        widen_one(unit, rec, src, view)
 
 
-def widen_one(rec: TensorRecord, src: torch.Tensor, view: torch.Tensor) -> None:
-    """Widen one tensor's stored bytes in ``src`` into ``view``."""
+def widen_one(unit: Unit, rec: TensorRecord, src: torch.Tensor, view: torch.Tensor) -> None:
+    """Widen one tensor of ``unit`` from its stored bytes in ``src`` (the unit's region) into ``view``."""
     stored = typed_view(src, rec.host_offset, rec.store_dtype, rec.shape)
     if rec.quantized:
         scales = typed_view(src, rec.scale_offset, torch.float32, torch.Size([rec.shape[0]]))
         dequantize_rows(stored, scales, rec.compute_dtype, out=view)
+    elif rec.packed:
+        packed.unpack(stored, nibble_view(src, unit, rec, base=0), rec.packed_base, view)
+        positions, bits = escape_views(src, unit, rec, base=0)
+        packed.patch(view.view(torch.int16).reshape(-1), positions - rec.dev_offset // 2, bits)
     else:
         view.copy_(stored)

@@ -132,8 +132,16 @@ def _place(model: nn.Module, spec: FamilySpec, offload, device: torch.device):
         granularity=offload.granularity,
         prefetch=offload.prefetch,
         vram_budget_gb=offload.vram_budget_gb,
-        storage_dtype=getattr(torch, offload.storage_dtype) if offload.storage_dtype else None,
+        storage_dtype=_storage_dtype(offload.storage_dtype),
     )
+
+
+def _storage_dtype(name: str | None):
+    """The engine's ``storage_dtype`` for ``offload.storage_dtype``: a torch dtype, or the packed
+    bf16 format's name as it is."""
+    from ..offload.packed import PACKED
+
+    return name if name in (None, PACKED) else getattr(torch, name)
 
 
 def prepare_for_training(model: nn.Module, spec: FamilySpec, train, offload, device: torch.device) -> Prepared:
