@@ -8,12 +8,12 @@ state paged through pinned host memory (as DeepSpeed's ZeRO-Offload "Twin-Flow" 
 optimizer between the two, except that here the GPU part keeps nothing on the GPU between steps):
 
 - when backward reaches a device unit (or ``ahead`` units before it), its optimizer state is copied
-  in from the host, on a side stream, as one buffer;
+  in from the host, on a side stream, as one buffer (a ``StatePage`` per unit);
 - when its last gradient arrives, its weights (still in their device slot) are copied into a
   private buffer on the compute stream (so no later load into the slot can overwrite them first),
-  and on the side stream the user's optimizer class steps them there; the new weights go out to
-  their host masters and the state back to the host, on the same stream.  No gradient leaves the
-  GPU;
+  and on the side stream the worker's sub-optimizer of the unit steps them there; the new weights
+  go out to their host masters and the state back to the host, on the same stream.  No gradient
+  leaves the GPU;
 - the next forward loads the unit from its master once those copies have landed (the manager
   waits for the unit's step as it does for the worker's).
 
@@ -23,11 +23,13 @@ by theirs.  PCIe carries, per device unit, the state in and weights + state out 
 instead of the gradients' 1); memory holds a unit's state, weights and gradients while it steps.
 
 The host copy of the state is the one the user's optimizer holds (``optimizer.state[param]``, in
-pinned host tensors): ``state_dict()``, checkpoints and resume see one optimizer, and a device
-unit that ran twice in a forward (its gradient may come in pieces) steps on the worker instead, on
-the same host state.  The device's fused AdamW kernel is not the CPU's: results agree to rounding,
-not bitwise (on a CPU run the "device" step is the same CPU kernel: bitwise, which is what CPU
-tests check).
+pinned host tensors, pointed at the device copy only while the unit steps): ``state_dict()``,
+checkpoints and resume see one optimizer.  A device unit that ran twice in a forward (its gradient
+may come in pieces) steps on the worker instead, on the host state: only units that stepped here
+before have a page and are brought in ahead, and a page that came in but did not step goes back
+untouched.  The device's fused AdamW kernel is not the CPU's: results agree to rounding, not
+bitwise (on a CPU run the "device" step is the same CPU kernel: bitwise, which is what CPU tests
+check).
 """
 
 from __future__ import annotations
@@ -37,44 +39,34 @@ import weakref
 import torch
 from torch import nn
 
-from .arena import HostArena, host_copies, release_all, typed_view
+from .arena import HostArena, release_all
 from .grads import blocking_event
-from .host_optimizer import groups_over, sub_optimizer
-from .optimizer_state import _on
-
-
-class _UnitState:
-    """One unit's optimizer state in a host arena: ``layout`` = (param index, key, offset, home view)."""
-
-    def __init__(self, arena: HostArena, layout: list[tuple[int, str, int, torch.Tensor]]):
-        self.arena, self.layout = arena, layout
-        self.on_device: dict[tuple[int, str], torch.Tensor] | None = None
-        self.arrived = None  # event: the copy in landed
-        self.copied_out = None  # event: the last copy out landed (the next copy in reads it)
+from .optimizer_state import StatePage, _on
 
 
 class DeviceSteps:
     """Steps ``units`` (index -> [(real parameter, host master)]) on ``device``; ``forward_order``:
-    every unit's index in the order the forward runs them.
+    every unit's index in the order the forward runs them; ``stepper``: the manager's
+    ``HostStepper``, whose per-unit sub-optimizers step here too.
 
     ``on_grad(unit, param, grad)``: a device gradient of one of ``unit``'s weights arrived (the
     unit steps once all its weights have theirs);
     ``backward_use(unit)``: backward reached ``unit`` (page in the state of what steps next);
-    ``flush()``: after backward, step units some of whose weights got no gradient.  The events of
-    each unit's copies out are handed to ``track(unit, event)`` (``HostStepper.track``), which the
-    manager waits on before loading the unit again.  ``stats``: units stepped, bytes each way,
-    state copies in that were not prefetched."""
+    ``flush()``: after backward, step units some of whose weights got no gradient, and send back
+    the state that came in for units the worker steps this time (untouched).  The events of
+    each unit's copies out are handed to ``stepper.track(unit, event)``, which the manager waits on before
+    loading the unit again.  ``stats``: units stepped, bytes each way, state copies in that were
+    not prefetched."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, units: dict[int, list[tuple[nn.Parameter, torch.Tensor]]],
-                 forward_order: list[int], device: torch.device, track, ahead: int = 2):
-        self.optimizer, self.device, self.track, self.ahead = optimizer, device, track, ahead
+                 forward_order: list[int], device: torch.device, stepper, ahead: int = 2):
+        self.optimizer, self.device, self.stepper, self.ahead = optimizer, device, stepper, ahead
         self.cuda = device.type == "cuda"
         self.units = units
         self.forward_order = forward_order  # every unit's index; backward meets them in reverse
         self.position = {u: i for i, u in enumerate(forward_order)}
-        self.group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self.index_of = {id(real): i for pairs in units.values() for i, (real, _) in enumerate(pairs)}
-        self.state: dict[int, _UnitState] = {}
+        self.pages: dict[int, StatePage] = {}  # unit -> its state's host page (after its first step here)
         self.grads: dict[int, dict[int, torch.Tensor]] = {}  # unit -> param index -> device gradient
         self.stream = torch.cuda.Stream(device) if self.cuda else None  # steps and copies out
         self.h2d = torch.cuda.Stream(device) if self.cuda else None  # state in
@@ -85,11 +77,13 @@ class DeviceSteps:
     # --- backward ---------------------------------------------------------------------------------
     def backward_use(self, unit: int) -> None:
         """Backward is about to run ``unit``: bring in the state of the device units among it and
-        the ``ahead`` units backward runs after it (the ones before it in forward order)."""
+        the ``ahead`` units backward runs after it (the ones before it in forward order).  Only
+        units with a page: a unit the worker steps (one that ran twice a forward) must keep its
+        state on the host."""
         pos = self.position.get(unit)
         if pos is not None:
             for u in self.forward_order[max(0, pos - self.ahead):pos + 1]:
-                if u in self.units:
+                if u in self.pages:
                     self._page_in(u)
 
     def on_grad(self, unit: int, param: nn.Parameter, grad: torch.Tensor) -> None:
@@ -100,126 +94,114 @@ class DeviceSteps:
     def flush(self) -> None:
         for unit in list(self.grads):
             self._step(unit)
+        for page in self.pages.values():  # came in, but the unit stepped on the worker (or not at all)
+            if page.on_device is not None:
+                page.put_back()
+
+    # --- the state --------------------------------------------------------------------------------
+    def _page_in(self, unit: int) -> bool:
+        """The unit's state onto the device (False: in already, or none yet: its first step makes it)."""
+        page = self.pages.get(unit)
+        if page is not None and page.on_device is not None:
+            return False
+        page = self._adopt(unit)  # only here: while in, the entries point at the device, not home
+        if page is None:
+            return False
+        with _on(self.h2d):  # made on this stream: its memory waits for no other stream's work
+            nbytes = page.copy_in(self.h2d)
+        if nbytes and self.cuda:
+            page.on_device.record_stream(self.stream)  # the step reads and writes it there
+        self.stats["h2d_bytes"] += nbytes
+        return nbytes > 0
+
+    def _adopt(self, unit: int) -> StatePage | None:
+        """The unit's page, holding the state the user's optimizer holds now: new tensors (made by
+        the worker, or by a resume's ``load_state_dict``) are copied home, and the optimizer points there."""
+        entries = self._entries(unit)
+        page = self.pages.get(unit)
+        if page is not None and all(page.homes.get((id(p), k)) is v for p, k, v in entries):
+            return page  # the usual case: nothing replaced
+        page = self._page_for(unit, entries)
+        if page is not None and page.copied_out is not None:
+            page.copied_out.synchronize()  # its last copy out writes the homes
+        for p, k, v in entries:
+            home = page.homes[(id(p), k)]
+            if v is not home:
+                home.copy_(v)
+                self.optimizer.state[p][k] = home
+        return page
+
+    def _entries(self, unit: int) -> list[tuple[nn.Parameter, str, torch.Tensor]]:
+        """The unit's state tensors, scalars included (AdamW's fused ``step`` is on the weight's device)."""
+        state = self.optimizer.state
+        return [(real, key, value) for real, _ in self.units[unit]
+                for key, value in state.get(real, {}).items() if isinstance(value, torch.Tensor)]
+
+    def _page_for(self, unit: int, entries) -> StatePage | None:
+        """The unit's page if every entry has a home of its shape and dtype there, else a new one
+        laid out over ``entries`` (none for no entries)."""
+        page = self.pages.get(unit)
+        if entries and (page is None or not all(
+                (home := page.homes.get((id(p), k))) is not None and home.shape == v.shape and home.dtype == v.dtype
+                for p, k, v in entries)):
+            page = self.pages[unit] = StatePage(self.optimizer, entries, self.device)
+            self._arenas.append(page.arena)
+        return page
 
     # --- the step ---------------------------------------------------------------------------------
-    def _page_in(self, unit: int) -> None:
-        state = self.state.get(unit) or self._adopt(unit)
-        if state is None or state.on_device is not None:
-            return  # no state yet (its first step makes it), or in already
-        self._adopt_replaced(unit, state)
-        with _on(self.h2d):  # made on this stream: its memory waits for no other stream's work
-            buf = torch.empty(state.arena.nbytes, dtype=torch.uint8, device=self.device)
-            if self.cuda and state.copied_out is not None:
-                self.h2d.wait_event(state.copied_out)  # the last copy out writes what we read
-            buf.copy_(state.arena.buffer[:state.arena.nbytes], non_blocking=True)
-            if self.cuda:
-                state.arrived = self.h2d.record_event()
-                buf.record_stream(self.stream)
-        state.on_device = {(i, key): typed_view(buf, off, home.dtype, home.shape) for i, key, off, home in state.layout}
-        self.stats["h2d_bytes"] += state.arena.nbytes
-
-    def _adopt(self, unit: int) -> _UnitState | None:
-        """State the user's optimizer holds already (a resume's ``load_state_dict``, or a step the
-        worker took): it moves into a pinned host arena of the unit's, which the optimizer then holds."""
-        entries = [(i, key, value) for i, (real, _) in enumerate(self.units[unit])
-                   for key, value in self.optimizer.state.get(real, {}).items() if isinstance(value, torch.Tensor)]
-        if not entries:
-            return None
-        state = self._home(unit, entries)
-        for (_, _, value), (_, _, _, home) in zip(entries, state.layout):
-            home.copy_(value)
-        return state
-
-    def _home(self, unit: int, entries: list[tuple[int, str, torch.Tensor]]) -> _UnitState:
-        """A pinned host arena shaped like ``entries`` ((param index, key, tensor)), held from now on
-        by the user's ``optimizer.state`` (filled by the caller)."""
-        arena, views = host_copies([value for _, _, value in entries], pin=self.cuda)
-        self._arenas.append(arena)
-        old = self.state.get(unit)
-        state = _UnitState(arena, [(i, key, off, home) for (i, key, _), (off, home) in zip(entries, views)])
-        if old is not None:
-            state.copied_out = old.copied_out
-        self.state[unit] = state
-        for i, key, _, home in state.layout:
-            self.optimizer.state.setdefault(self.units[unit][i][0], {})[key] = home
-        return state
-
-    def _adopt_replaced(self, unit: int, state: _UnitState) -> None:
-        """``load_state_dict`` replaces the user's state tensors: copy their values home first."""
-        pairs = self.units[unit]
-        for i, key, _, home in state.layout:
-            value = self.optimizer.state.get(pairs[i][0], {}).get(key)
-            if value is not None and value is not home:
-                home.copy_(value)
-                self.optimizer.state[pairs[i][0]][key] = home
-
     def _step(self, unit: int) -> None:
         grads = self.grads.pop(unit)
+        if self._page_in(unit):
+            self.stats["late_state_in"] += 1
+        page = self.pages.get(unit)
         pairs = self.units[unit]
-        state = self.state.get(unit)
-        if state is None or state.on_device is None:
-            self._page_in(unit)
-            if self.state.get(unit) is not None:
-                state = self.state[unit]
-                self.stats["late_state_in"] += 1
         compute = torch.cuda.current_stream(self.device) if self.cuda else None
         # the weights leave the slot on the compute stream: a later load into it waits for that stream.
         # (A unit already evicted points at its master again: same values, copied in.)
         weights = [real.detach().clone() if real.device == self.device else
                    torch.empty_like(master, device=self.device).copy_(master, non_blocking=True)
                    for real, master in pairs]
-        stand_ins = [nn.Parameter(w) for w in weights]
-        for i, s in enumerate(stand_ins):
-            s.grad = grads.get(i)
-        groups, _ = groups_over(self.optimizer, self.group_of, [real for real, _ in pairs], stand_ins)
-        sub = sub_optimizer(self.optimizer, groups)
-        if state is not None:
-            for i, key, _, _ in state.layout:
-                sub.state[stand_ins[i]][key] = state.on_device[(i, key)]
         if self.cuda:
             self.stream.wait_stream(compute)  # the gradients and the weights' copy
-            if state is not None and state.arrived is not None:
-                self.stream.wait_event(state.arrived)
+            if page is not None and page.arrived is not None:
+                self.stream.wait_event(page.arrived)
         with _on(self.stream):
-            sub.step()
-            if state is None or not self._in_place(sub, stand_ins, state):
-                state = self._new_home(unit, sub, stand_ins)
-            self._copy_out(unit, weights, state)
+            self._sub_step(unit, weights, grads)
+            self._copy_out(unit, weights)
             if self.cuda:  # memory made on other streams, freed once this stream has used it
-                for t in [*weights, *(g for g in grads.values())]:
+                for t in [*weights, *grads.values()]:
                     t.record_stream(self.stream)
         self.stats["units_stepped"] += 1
 
-    def _in_place(self, sub, stand_ins, state: _UnitState) -> bool:
-        """The optimizer updated the paged-in views and made no other state."""
-        made = {(i, key) for i, s in enumerate(stand_ins) for key in sub.state.get(s, {})}
-        return made == set(state.on_device) and all(
-            sub.state[stand_ins[i]][key] is view for (i, key), view in state.on_device.items())
+    def _sub_step(self, unit: int, weights: list[torch.Tensor], grads: dict[int, torch.Tensor]) -> None:
+        """The worker's sub-optimizer of ``unit``, its stand-ins pointed at ``weights`` for the step
+        (the worker never steps this unit meanwhile: the forward waited for its last step)."""
+        sub, stand_ins = self.stepper.sub_for(unit)
+        for i, (s, w) in enumerate(zip(stand_ins, weights)):
+            s.data, s.grad = w, grads.get(i)
+        try:
+            sub.step()
+        finally:
+            for s, (_, master) in zip(stand_ins, self.units[unit]):
+                s.grad = None
+                s.data = master
 
-    def _new_home(self, unit: int, sub, stand_ins) -> _UnitState:
-        """First step (or state of another shape): a home for the state the device step made."""
-        entries = [(i, key, value) for i, s in enumerate(stand_ins) for key, value in sub.state.get(s, {}).items()
-                   if isinstance(value, torch.Tensor)]
-        state = self._home(unit, entries)
-        state.on_device = {(i, key): value for i, key, value in entries}
-        return state
-
-    def _copy_out(self, unit: int, weights: list[torch.Tensor], state: _UnitState) -> None:
-        """On the current (side) stream: the new weights to their masters, the state home."""
+    def _copy_out(self, unit: int, weights: list[torch.Tensor]) -> None:
+        """On the current (side) stream: the new weights to their masters, the state home (into a
+        page laid out first when the step made the state, or state of another layout)."""
         for w, (_, master) in zip(weights, self.units[unit]):
             master.copy_(w, non_blocking=True)
             self.stats["d2h_bytes"] += w.nbytes
-        for i, key, _, home in state.layout:
-            value = state.on_device[(i, key)]
-            home.copy_(value, non_blocking=True)
-            if self.cuda:
-                value.record_stream(self.stream)
-            self.stats["d2h_bytes"] += value.nbytes
-        state.on_device = None
+        page = self.pages.get(unit)
+        in_place = page is not None and page.in_place()
+        if not in_place:
+            page = self._page_for(unit, self._entries(unit))
+        if page is not None:
+            self.stats["d2h_bytes"] += page.copy_out(self.stream, in_place)
         event = blocking_event(self.stream) if self.cuda else None
-        state.copied_out = event
-        self.track(unit, event)
+        self.stepper.track(unit, event)
 
     def close(self) -> None:
         if self.cuda:
             self.stream.synchronize()
+

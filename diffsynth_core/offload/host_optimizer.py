@@ -133,11 +133,16 @@ class HostStepper:
         self._thread = threading.Thread(target=self._run, name="splitflow-host-optimizer", daemon=True)
         self._thread.start()
 
-    def submit(self, unit: int, grads: dict, events: list = ()) -> None:
-        """Queue ``unit``'s step with the hyper-parameters the user's groups hold now."""
-        sub, _, used = self.subs[unit]
+    def sub_for(self, unit: int) -> tuple[torch.optim.Optimizer, list[nn.Parameter]]:
+        """``unit``'s sub-optimizer and stand-ins, with the hyper-parameters the user's groups hold now."""
+        sub, stand_ins, used = self.subs[unit]
         for sub_group, gi in zip(sub.param_groups, used):  # e.g. the LR scheduler's latest lr
             sub_group.update({k: v for k, v in self.optimizer.param_groups[gi].items() if k != "params"})
+        return sub, stand_ins
+
+    def submit(self, unit: int, grads: dict, events: list = ()) -> None:
+        """Queue ``unit``'s step with the hyper-parameters the user's groups hold now."""
+        self.sub_for(unit)
         job = _Job(unit, next(self._seq), [grads.get(id(r)) for r in self.reals[unit]], list(events))
         with self._cv:
             self._jobs[unit] = job

@@ -361,7 +361,7 @@ class OffloadTrainingManager:
             if chosen and taken + sizes[u] > share * sum(sizes.values()):
                 break
             chosen[u], taken = units[u], taken + sizes[u]
-        return DeviceSteps(optimizer, chosen, order, self.device, self.stepper.track)
+        return DeviceSteps(optimizer, chosen, order, self.device, self.stepper)
 
     def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Under ``vram_budget_gb``, plan room for the first ``optimizer.step()``'s peak as well (it

@@ -16,8 +16,9 @@ state that is already on the host (``enable_optimizer_cpu_offload``) is left alo
 same pages are kept and copied (host to host): pointless for memory, which is why the Trainer
 attaches it on CUDA only, but it is how CPU tests check the bookkeeping.
 
-``StatePage`` is the piece both this and ``backward_steps.StepInBackward`` page with: some weights'
-state in one host arena, copied to the device as one buffer and back as one copy.
+``StatePage`` is the piece this, ``backward_steps.StepInBackward`` and ``device_steps.DeviceSteps``
+page with: some weights' state in one host arena, copied to the device as one buffer and back as
+one copy.
 """
 
 from __future__ import annotations
@@ -50,11 +51,13 @@ class StatePage:
     in place; ``copy_out(stream)`` copies the buffer back as one copy (tensor by tensor when the
     optimizer made or replaced a tensor) and points the entries at their homes again.  ``stream``:
     the CUDA stream that copies (the caller's own, or a side stream; ``None`` on a CPU).  ``arrived``
-    and ``copied_out``: the events of the last copies each way."""
+    and ``copied_out``: the events of the last copies each way.  ``device``: where it goes (default:
+    the first weight's; a streamed weight may be at home on the host when its page is made)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, entries: list[tuple[nn.Parameter, str, torch.Tensor]]):
+    def __init__(self, optimizer: torch.optim.Optimizer, entries: list[tuple[nn.Parameter, str, torch.Tensor]],
+                 device: torch.device | None = None):
         self.optimizer = optimizer
-        self.device = entries[0][0].device
+        self.device = entries[0][0].device if device is None else device
         self.cuda = self.device.type == "cuda"
         self.arena, views = host_copies([value for _, _, value in entries], pin=self.cuda)
         self.layout = [(param, key, offset, home) for (param, key, _), (offset, home) in zip(entries, views)]
@@ -98,6 +101,14 @@ class StatePage:
             state[p][k] = typed[dtype].as_strided(shape, stride, first)
         self.on_device = on_device
         return self.arena.nbytes
+
+    def put_back(self) -> None:
+        """Came in and was not stepped: the entries point at their homes again (unchanged: no copy)."""
+        state = self.optimizer.state
+        for p, k, _, home in self.layout:
+            if k in state.get(p, {}):
+                state[p][k] = home
+        self.on_device = None
 
     def in_place(self) -> bool:
         """Came in, and every entry is still the view of the device buffer the optimizer updated."""

@@ -261,11 +261,16 @@ def test_steps_on_the_gpu_during_backward_match_the_host_steps():
             opt.zero_grad(set_to_none=True)
         state = opt.state_dict()
         stats = mgr.report()["device_steps"]
+        if mgr.device_steps is not None:  # pages laid out (one per unit stepped here, at its first step)
+            stats["pages"] = len(mgr.device_steps._arenas)
+            stats["page_bytes"] = sum(page.arena.nbytes for page in mgr.device_steps.pages.values())
         mgr.detach()
         return model.state_dict(), state, stats
     ref, ref_state, _ = run(0.0)
     got, state, stats = run(0.5)
     assert stats["units"] == 3 and stats["units_stepped"] == 4 * 2  # blocks[0] runs twice: the worker's
+    # blocks 1-2 laid out once and brought in at steps 2-4; blocks[0] never
+    assert stats["pages"] == 2 and stats["h2d_bytes"] == 3 * stats["page_bytes"]
     assert stats["late_state_in"] == 0 and stats["h2d_bytes"] > 0
     for k in ref:
         if k != "calls":
@@ -275,8 +280,8 @@ def test_steps_on_the_gpu_during_backward_match_the_host_steps():
             assert state["state"][i][key].device == s[key].device
             torch.testing.assert_close(state["state"][i][key], s[key], rtol=1e-5, atol=1e-6)
     on_host = [s["exp_avg"] for s in state["state"].values() if s["exp_avg"].device.type == "cpu"]
-    # 6 weights a block; the device units' state (blocks 0-2, also the one the worker steps) is pinned
-    assert len(on_host) == 6 * 6 and sum(t.is_pinned() for t in on_host) == 3 * 6
+    # 6 weights a block; the state of the units stepped on the GPU (blocks 1-2) is pinned, not blocks[0]'s
+    assert len(on_host) == 6 * 6 and sum(t.is_pinned() for t in on_host) == 2 * 6
 
 
 def _nccl_worker(rank, init_file, out_dir, optimizer_offload):

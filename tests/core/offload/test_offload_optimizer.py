@@ -311,9 +311,12 @@ def test_lora_adapters_step_on_the_host_bitwise_like_plain_lora():
     assert any(not torch.equal(initial[k], ref[k]) for k in ref)  # the adapters did train
 
 
-def _device_share_run(share: float | None, steps: int = 4, resume_at: int | None = None):
+def _device_share_run(share: float | None, steps: int = 4, resume_at: int | None = None,
+                      reload_at: int | None = None, each_step=None):
     """AdamW with a changing lr, the optimizer bound with ``device_step_share=share`` (None: no
-    engine); ``resume_at``: stop there, rebuild model, engine and optimizer from their state dicts."""
+    engine); ``resume_at``: stop there, rebuild model, engine and optimizer from their state dicts;
+    ``reload_at``: there, load the optimizer's state back into the running engine, its moments
+    halved (new tensors, other values); ``each_step(model, mgr, opt, step)``: called after each step."""
     def build(model_state=None, opt_state=None):
         model = _model()
         if model_state is not None:
@@ -336,9 +339,15 @@ def _device_share_run(share: float | None, steps: int = 4, resume_at: int | None
                 stats.append(mgr.report()["device_steps"])
                 mgr.detach()
             model, mgr, opt = build(model.state_dict(), opt_state)
+        if step == reload_at:
+            saved = opt.state_dict()
+            opt.load_state_dict({**saved, "state": {i: {k: v / 2 if k.startswith("exp_avg") else v.clone()
+                                                        for k, v in s.items()} for i, s in saved["state"].items()}})
         for group in opt.param_groups:
             group["lr"] = 1e-2 / (step + 1)
         losses.append(_train_step(model, mgr, opt, step))
+        if each_step is not None:
+            each_step(model, mgr, opt, step)
     state = opt.state_dict()
     if mgr is not None:
         stats.append(mgr.report()["device_steps"])
@@ -346,18 +355,61 @@ def _device_share_run(share: float | None, steps: int = 4, resume_at: int | None
     return losses, model.state_dict(), state, stats
 
 
+def _assert_same_training(ref, got) -> None:
+    assert all(torch.equal(a, b) for a, b in zip(ref[0], got[0]))
+    assert all(torch.equal(ref[1][k], got[1][k]) for k in ref[1] if k != "calls")
+    for i, s in ref[2]["state"].items():  # one optimizer, its state checkpointable as usual
+        assert s.keys() == got[2]["state"][i].keys() and all(torch.equal(s[k], got[2]["state"][i][k]) for k in s)
+
+
 @pytest.mark.parametrize("share", [0.5, 1.0])
 def test_steps_on_the_device_during_backward_are_bitwise_those_of_the_host(share):
     ref = _device_share_run(None)
     for got in (_device_share_run(share), _device_share_run(share, resume_at=2)):
-        assert all(torch.equal(a, b) for a, b in zip(ref[0], got[0]))
-        assert all(torch.equal(ref[1][k], got[1][k]) for k in ref[1] if k != "calls")
-        for i, s in ref[2]["state"].items():  # one optimizer, its state checkpointable as usual
-            assert all(torch.equal(s[k], got[2]["state"][i][k]) for k in s)
+        _assert_same_training(ref, got)
+    _assert_same_training(_device_share_run(None, reload_at=2), _device_share_run(share, reload_at=2))
     stats = _device_share_run(share)[3][0]
     # the first units in forward order; blocks[0] runs twice a forward, so the worker steps it
     assert stats["units"] == (2 if share < 1 else 5)
     assert stats["units_stepped"] == 4 * (stats["units"] - 1) and stats["late_state_in"] == 0
+
+
+def _run_block_1_again(model) -> None:
+    """From now on blocks[1] runs twice a forward as well (again just before the head)."""
+    head, block = model.head.forward, model.blocks[1]
+    model.head.forward = lambda x: head(block(x))
+
+
+def test_device_units_keep_one_page_and_a_unit_run_twice_is_never_paged_in():
+    """A device unit's state is laid out in a page at its first step only (not again each time it
+    comes in, nor on a ``load_state_dict`` of the same shapes, whose values it takes), and between
+    steps ``optimizer.state`` holds the page's host homes.  blocks[0] runs twice a forward: the
+    worker steps it, so its state never comes in and stays the host tensors the worker made.
+    blocks[1] runs twice from the third step on: it came in, and goes back untouched to the worker."""
+    pages, twice = {}, []
+
+    def reference(model, mgr, opt, step):
+        if step == 1:
+            _run_block_1_again(model)
+
+    def check(model, mgr, opt, step):
+        reference(model, mgr, opt, step)
+        mgr.sync()
+        steps = mgr.device_steps
+        if step == 0:
+            pages.update(steps.pages)
+        if step in (0, 2):  # blocks[0]'s state: made by the worker, or by the reload before step 2
+            twice[:] = [(p, k, v) for p in model.blocks[0].parameters() for k, v in opt.state[p].items()]
+        assert all(opt.state[p][k] is v for p, k, v in twice)
+        assert steps.pages.keys() == pages.keys() and all(steps.pages[u] is page for u, page in pages.items())
+        for page in pages.values():
+            assert page.on_device is None and all(opt.state[p][k] is home for p, k, _, home in page.layout)
+        assert steps.stats["h2d_bytes"] == step * sum(page.arena.nbytes for page in pages.values())
+
+    got = _device_share_run(1.0, reload_at=2, each_step=check)
+    _assert_same_training(_device_share_run(None, reload_at=2, each_step=reference), got)
+    assert sorted(pages) == [1, 2, 3, 4] and len(twice) == 6 * 3  # blocks[0] has no page: never paged in
+    assert got[3][0]["units_stepped"] == 4 + 4 + 3 + 3 and got[3][0]["late_state_in"] == 0
 
 
 def test_device_steps_need_overlap_backward_and_a_share_within_0_and_1():
