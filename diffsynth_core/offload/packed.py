@@ -3,10 +3,8 @@
 A bf16 weight is sign (1 bit), exponent (8) and mantissa (7).  The sign and mantissa are close to
 uniformly random and are kept as they are, one byte per weight (*lows*: ``sign << 7 | mantissa``).
 The exponents of a trained or initialised weight crowd into a few binades below its largest
-magnitude, so each is kept as a 4-bit *code*, two per byte (*nibbles*): the codes of the first
-``h = half(n)`` weights in the low nibbles of ``h`` bytes, those of the rest in their high nibbles
-(``h`` a multiple of 64, so both halves start aligned and a decoder reads every byte once, in
-order):
+magnitude, so each is kept as a 4-bit *code*, two per byte (*nibbles*; element ``i`` in the low
+nibble of byte ``i // 2`` when ``i`` is even, in the high one when odd):
 
 * code 0: exponent 0 (zeros and subnormals; their mantissa is in the low byte, so exact);
 * codes 1..14: exponent ``base + code - 1``, fourteen binades chosen per tensor to cover the most
@@ -55,23 +53,23 @@ def choose_base(w: torch.Tensor) -> tuple[int, int]:
     return base, int(counts.sum() - window_sums[base])
 
 
-def half(numel: int) -> int:
-    """Weights whose codes sit in the low nibbles, and the nibbles' bytes: half of ``numel``
-    rounded up to a multiple of 64."""
-    return ((numel + 1) // 2 + 63) // 64 * 64
+def nibble_bytes(numel: int) -> int:
+    """Bytes of the codes of ``numel`` weights, two a byte."""
+    return (numel + 1) // 2
 
 
 def pack(w: torch.Tensor, base: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(lows, nibbles, escape positions, escape bits)`` of ``w`` (bf16): lows uint8 shaped like
-    ``w``, nibbles uint8 of ``half(n)``, positions int64 (flat), bits int16, all on ``w``'s device."""
+    ``w``, nibbles uint8 of ``nibble_bytes(n)``, positions int64 (flat), bits int16, all on ``w``'s
+    device."""
     bits, exp = _fields(w)
     lows = ((bits >> 8) & 0x80) | (bits & 0x7F)
     inside = (exp >= base) & (exp < base + WINDOW)
     codes = torch.where(exp == 0, 0, torch.where(inside, exp - base + 1, ESCAPE))
     escapes = torch.nonzero(codes == ESCAPE).reshape(-1)
-    h = half(codes.numel())
-    codes = torch.cat([codes, codes.new_zeros(2 * h - codes.numel())])
-    nibbles = codes[:h] | (codes[h:] << 4)
+    if codes.numel() % 2:
+        codes = torch.cat([codes, codes.new_zeros(1)])
+    nibbles = codes[0::2] | (codes[1::2] << 4)
     signed = bits[escapes] - ((bits[escapes] >> 15) << 16)  # 0..65535 back to int16's range
     return (lows.to(torch.uint8).reshape(w.shape), nibbles.to(torch.uint8), escapes,
             signed.to(torch.int16))
@@ -82,7 +80,7 @@ def unpack(lows: torch.Tensor, nibbles: torch.Tensor, base: int, out: torch.Tens
     for ``patch``.  The same arithmetic as the kernel in ``packed_cuda``."""
     n = lows.numel()
     nib = nibbles.to(torch.int32)
-    codes = torch.cat([nib & 0xF, nib >> 4])[:n]
+    codes = torch.stack([nib & 0xF, nib >> 4], dim=1).reshape(-1)[:n]
     exp = torch.where(codes == 0, 0, codes + (base - 1))
     low = lows.reshape(-1).to(torch.int32)
     bits = ((low & 0x80) << 8) | (exp << 7) | (low & 0x7F)

@@ -2,11 +2,11 @@
 
 Eager PyTorch decodes in about ten passes over the weights (int32 temporaries and all); the kernel
 reads each weight's byte and half byte once and writes its two bytes once, for every packed tensor
-of a unit in one launch, like ``widen_cuda.widen_segments`` does for fp8.  The offsets it is given
-are multiples of 64 bytes (``units.ALIGN``, ``packed.half``), which it tells the compiler, so that
-loads and stores are wide.  Escapes are written
-after it by one ``index_copy_`` (``widening``).  Same arithmetic as ``packed.unpack``, so the same
-bits (``tests/core/offload/test_offload_gpu.py``); where Triton is missing or does not compile,
+of a unit in one launch, like ``widen_cuda.widen_segments`` does for fp8: 0.74 ms for a real-width
+Qwen-Image block (340 M weights, escapes included) on the H200, against 12-15 ms eager
+(``python -m bench.offload --cases widen``, ``unit_packed``).  Escapes are written after it by one
+``index_copy_`` (``widening``).  Same arithmetic as ``packed.unpack``, so the same bits
+(``tests/core/offload/test_packed_gpu.py``); where Triton is missing or does not compile,
 ``unpack_segments`` returns ``False`` and the eager decoding runs.
 """
 
@@ -16,19 +16,17 @@ import functools
 
 import torch
 
-from .packed import half
 from .widen_cuda import launched
 
-BLOCK = 2048  # nibble bytes per program: 2 x 2048 weights, 6 KiB read, 8 KiB written
+BLOCK = 4096  # weights per program: 6 KiB read, 8 KiB written
 
 
 @functools.cache
 def _kernel():
-    """``table`` holds seven rows of ``MAXSEG`` int64: each segment's first program, its lows',
-    nibbles' and output offsets (bytes, bytes, int16 elements), its weights, its base exponent and
-    its ``packed.half``.  Each program finds its segment by counting the first programs at or below
-    its own id, then decodes ``BLOCK`` weights of the first half and the ``BLOCK`` of the second
-    half that share their nibble bytes: every input byte is read once, in order."""
+    """``table`` holds six rows of ``MAXSEG`` int64: each segment's first program, its lows',
+    nibbles' and output offsets (bytes, bytes, int16 elements), its weights and its base exponent.
+    Each program finds its segment by counting the first programs at or below its own id, then
+    decodes ``BLOCK`` consecutive weights of it."""
     import triton
     import triton.language as tl
 
@@ -39,23 +37,17 @@ def _kernel():
         firsts = tl.load(table_ptr + idx, mask=idx < n, other=1 << 62)
         seg = tl.sum((firsts <= pid).to(tl.int32), axis=0) - 1
         local = pid - tl.load(table_ptr + seg)
-        lows = src_ptr + tl.multiple_of(tl.load(table_ptr + MAXSEG + seg), 64)
-        nibs = src_ptr + tl.multiple_of(tl.load(table_ptr + 2 * MAXSEG + seg), 64)
-        out = out_ptr + tl.multiple_of(tl.load(table_ptr + 3 * MAXSEG + seg), 32)
         numel = tl.load(table_ptr + 4 * MAXSEG + seg)
         base = tl.load(table_ptr + 5 * MAXSEG + seg).to(tl.int32)
-        h = tl.multiple_of(tl.load(table_ptr + 6 * MAXSEG + seg), 64)
-        j = local * BLOCK + tl.arange(0, BLOCK)
-        nib = tl.load(nibs + j, mask=j < h).to(tl.int32)
-        for second in tl.static_range(2):
-            i = j + second * h
-            mask = (j < h) & (i < numel)
-            low = tl.load(lows + i, mask=mask).to(tl.int32)
-            code = (nib >> (4 * second)) & 15
-            exp = tl.where(code == 0, 0, code + base - 1)
-            bits = ((low & 0x80) << 8) | (exp << 7) | (low & 0x7F)
-            bits = bits - ((bits >> 15) << 16)  # 0..65535 into int16's range
-            tl.store(out + i, bits.to(tl.int16), mask=mask)
+        i = local * BLOCK + tl.arange(0, BLOCK)
+        mask = i < numel
+        low = tl.load(src_ptr + tl.load(table_ptr + MAXSEG + seg) + i, mask=mask).to(tl.int32)
+        nib = tl.load(src_ptr + tl.load(table_ptr + 2 * MAXSEG + seg) + i // 2, mask=mask).to(tl.int32)
+        code = (nib >> ((i & 1) * 4).to(tl.int32)) & 15
+        exp = tl.where(code == 0, 0, code + base - 1)
+        bits = ((low & 0x80) << 8) | (exp << 7) | (low & 0x7F)
+        bits = bits - ((bits >> 15) << 16)  # 0..65535 into int16's range
+        tl.store(out_ptr + tl.load(table_ptr + 3 * MAXSEG + seg) + i, bits.to(tl.int16), mask=mask)
 
     return unpack_segments
 
@@ -64,12 +56,12 @@ def segment_table(segments: list[tuple[int, int, int, int, int]], device) -> tup
     """The ``table`` of the kernel for ``segments`` = (lows, nibbles, output offsets, weights, base)
     each; returns (table on ``device``, segments, programs)."""
     maxseg = max(2, 1 << (len(segments) - 1).bit_length())
-    fields = [[0] * maxseg for _ in range(7)]
+    fields = [[0] * maxseg for _ in range(6)]
     programs = 0
     for i, (low_off, nib_off, out_off, numel, base) in enumerate(segments):
-        for f, v in enumerate((programs, low_off, nib_off, out_off, numel, base, half(numel))):
+        for f, v in enumerate((programs, low_off, nib_off, out_off, numel, base)):
             fields[f][i] = v
-        programs += -(-half(numel) // BLOCK)
+        programs += -(-numel // BLOCK)
     return torch.tensor(fields, dtype=torch.int64, device=device), len(segments), programs
 
 

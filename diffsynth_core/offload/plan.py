@@ -166,7 +166,7 @@ def scale_view(buf: torch.Tensor, unit: Unit, rec: TensorRecord) -> torch.Tensor
 def nibble_view(buf: torch.Tensor, unit: Unit, rec: TensorRecord, base: int | None = None) -> torch.Tensor:
     """A packed tensor's exponent codes in ``buf`` (the arena, or ``unit``'s region from ``base``)."""
     start = unit.host_offset if base is None else base
-    return typed_view(buf, start + rec.nibble_offset, torch.uint8, torch.Size([packed.half(rec.numel)]))
+    return typed_view(buf, start + rec.nibble_offset, torch.uint8, torch.Size([packed.nibble_bytes(rec.numel)]))
 
 
 def escape_views(buf: torch.Tensor, unit: Unit, rec: TensorRecord | None = None,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .packed import half
+from .packed import nibble_bytes
 from .quant import FP8_MAX
 
 ALIGN = 64  # bytes; every tensor starts on a 64-byte boundary inside a unit's region
@@ -93,7 +93,7 @@ class Unit:
                 host = align_up(host + rec.shape[0] * 4)
             if rec.packed:
                 rec.nibble_offset = host
-                host = align_up(host + half(rec.numel))
+                host = align_up(host + nibble_bytes(rec.numel))
                 rec.escape_start, self.escapes = self.escapes, self.escapes + rec.escapes
             rec.dev_offset = dev
             dev = align_up(dev + rec.numel * rec.compute_dtype.itemsize)

@@ -40,7 +40,7 @@ def test_packing_gives_back_every_bit_of_the_weight(weight):
     base, escapes = packed.choose_base(weight)
     lows, nibbles, positions, bits = packed.pack(weight, base)
     assert positions.numel() == escapes
-    assert lows.shape == weight.shape and nibbles.numel() == packed.half(weight.numel())
+    assert lows.shape == weight.shape and nibbles.numel() == packed.nibble_bytes(weight.numel())
     assert torch.equal(_bits(packed.decode(lows, nibbles, base, positions, bits)), _bits(weight))
 
 
