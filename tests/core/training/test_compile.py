@@ -4,31 +4,23 @@ offload engine around the compiled blocks."""
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 from torch import nn
 
 from diffsynth_core.errors import InputError
-from diffsynth_core.models import get_family
-from diffsynth_core.models.random_models import build_random_transformer
 from diffsynth_core.training.compile import compile_blocks
 from diffsynth_core.training.loop import Trainer
 from stages.config import OffloadSection, RunConfig, TrainSection
+
+from .toy import tiny_family_dit
 
 pytestmark = pytest.mark.slow  # one cold compile: ~40 s on 2 cores
 CPU = torch.device("cpu")
 
 
 def _fit(out, compile_: bool, offload: bool, device: torch.device = CPU, family: str = "qwen_image"):
-    spec, module = get_family(family), importlib.import_module(f"diffsynth_core.models.{family}")
-    cfg = {**module.TRANSFORMER_CONFIGS["tiny"], "num_layers": 2}
-    model = build_random_transformer(module.TRANSFORMER_CLASS, {"w": cfg}, "w", torch.float32, CPU)
-    samples = []
-    for seed in range(2):
-        latents, cond = spec.dummy_inputs(model.config, batch=1, height=64, width=64, text_len=16, seed=seed)
-        samples.append({"latents": latents[0], **{k: v[0] for k, v in cond.items()}})
+    spec, model, samples = tiny_family_dit(family, torch.float32)
     train = TrainSection(lora_rank=4, max_steps=3, seed=0, gradient_checkpointing=True, device=str(device),
                          compile_blocks=compile_)
     result = Trainer(spec, model, samples, train, OffloadSection(enable_model_cpu_offload=offload), out,

@@ -7,20 +7,14 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from diffsynth_core.models import get_family, qwen_image
-from diffsynth_core.models.random_models import build_random_transformer
 from diffsynth_core.training.loop import Trainer
 from stages.config import OffloadSection, TrainSection
 
+from .toy import tiny_family_dit
+
 
 def _fit(out, storage: str | None):
-    spec = get_family("qwen_image")
-    cfg = {**qwen_image.TRANSFORMER_CONFIGS["tiny"], "num_layers": 2}
-    model = build_random_transformer(qwen_image.TRANSFORMER_CLASS, {"w": cfg}, "w", torch.bfloat16, torch.device("cpu"))
-    samples = []
-    for seed in range(2):
-        latents, cond = spec.dummy_inputs(model.config, batch=1, height=64, width=64, text_len=16, seed=seed)
-        samples.append({"latents": latents[0], **{k: v[0] for k, v in cond.items()}})
+    spec, model, samples = tiny_family_dit("qwen_image", torch.bfloat16)
     train = TrainSection(lora_rank=4, max_steps=3, seed=0, gradient_checkpointing=True, device="cpu")
     offload = OffloadSection(enable_model_cpu_offload=True, storage_dtype=storage)
     result = Trainer(spec, model, samples, train, offload, out, progress=False).fit()

@@ -111,3 +111,21 @@ class ToyWithDeadHead(ToyDiT):
     def forward(self, latents, sigmas, prompt_embeds, prompt_mask=None):
         self.head(self.inp(latents.flatten(2).transpose(1, 2)))  # computed, never used
         return super().forward(latents, sigmas, prompt_embeds, prompt_mask)
+
+
+def tiny_family_dit(family: str, dtype: torch.dtype, n_samples: int = 2):
+    """(spec, a real diffusers DiT of ``family`` at its tiny widths and two blocks with random
+    weights in ``dtype``, ``n_samples`` 64x64 samples with 16 text tokens)."""
+    import importlib
+
+    from diffsynth_core.models import get_family
+    from diffsynth_core.models.random_models import build_random_transformer
+
+    spec, module = get_family(family), importlib.import_module(f"diffsynth_core.models.{family}")
+    cfg = {**module.TRANSFORMER_CONFIGS["tiny"], "num_layers": 2}
+    model = build_random_transformer(module.TRANSFORMER_CLASS, {"w": cfg}, "w", dtype, torch.device("cpu"))
+    samples = []
+    for seed in range(n_samples):
+        latents, cond = spec.dummy_inputs(model.config, batch=1, height=64, width=64, text_len=16, seed=seed)
+        samples.append({"latents": latents[0], **{k: v[0] for k, v in cond.items()}})
+    return spec, model, samples
