@@ -109,6 +109,11 @@ class OffloadTrainingManager:
         split = None if cpu_offload_split_threshold is None else int(cpu_offload_split_threshold * MIB)
         self.plan: Plan = build_plan(model, self.device, granularity, block_container_names,
                                      enable_optimizer_cpu_offload, storage_dtype, trainable_dtype, split)
+        if storage_dtype == PACKED and not any(rec.packed for unit in self.plan.units for rec in unit.tensors):
+            dtypes = sorted({str(rec.orig_dtype).removeprefix("torch.") for u in self.plan.units for rec in u.tensors})
+            warnings.warn(f"offload.storage_dtype = {PACKED!r} packs frozen bfloat16 weights only; this model's "
+                          f"streamed weights are {', '.join(dtypes) or 'none'}, so nothing is packed "
+                          "(load the model in bfloat16 to use it)", RuntimeWarning, stacklevel=2)
         budget = auto_budget(self.device) if vram_budget_gb == "auto" else int(float(vram_budget_gb) * GIB)
         n_slots = min(prefetch + 1, len(self.plan.units))
         # Checked before anything moves: a budget that cannot even hold the slots fails here.

@@ -143,3 +143,10 @@ def test_weights_whose_exponents_spread_wide_stay_in_bf16():
 def test_an_unknown_storage_name_is_refused_in_one_line():
     with pytest.raises(InputError, match="packed_bfloat16"):
         OffloadTrainingManager(ToyStack(), "cpu", storage_dtype="packed_bf12")
+
+
+def test_a_model_with_nothing_to_pack_says_so_once():
+    with pytest.warns(RuntimeWarning, match="packs frozen bfloat16 weights only; this model's streamed weights are float32"):
+        mgr = OffloadTrainingManager(ToyStack().requires_grad_(False), "cpu", storage_dtype=PACKED)
+    assert not any(r.packed for u in mgr.plan.units for r in u.tensors)
+    mgr.detach()
