@@ -142,7 +142,7 @@ class HostStepper:
 
     def submit(self, unit: int, grads: dict, events: list = ()) -> None:
         """Queue ``unit``'s step with the hyper-parameters the user's groups hold now."""
-        self.sub_for(unit)
+        self.sub_for(unit)  # its hyper-parameters brought up to date; the worker steps it later
         job = _Job(unit, next(self._seq), [grads.get(id(r)) for r in self.reals[unit]], list(events))
         with self._cv:
             self._jobs[unit] = job

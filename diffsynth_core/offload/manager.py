@@ -342,7 +342,7 @@ class OffloadTrainingManager:
                  for u in self.plan.units if u.index in self._trainable_units}
         self.stepper = HostStepper(optimizer, units, threads)
         if overlap_backward:
-            self.device_steps = self._device_steps(optimizer, device_step_share)
+            self.device_steps = self._device_steps(optimizer, units, device_step_share)
             self.grad_sink.start_steps(self.stepper, {id(p): u for u, ps in self.stepper.reals.items() for p in ps},
                                        lambda unit: self._forward_uses.get(unit, 0) > 1, self.device_steps)
         else:
@@ -351,19 +351,17 @@ class OffloadTrainingManager:
         self._optimizer_hooks.append(optimizer.register_load_state_dict_pre_hook(
             lambda opt, state: self.stepper.join()))
 
-    def _device_steps(self, optimizer: torch.optim.Optimizer, share: float) -> DeviceSteps | None:
-        """The units the forward runs first, up to ``share`` of the trainable bytes (at least one),
-        step on the device."""
+    def _device_steps(self, optimizer: torch.optim.Optimizer, units: dict[int, list[tuple[nn.Parameter, torch.Tensor]]],
+                      share: float) -> DeviceSteps | None:
+        """Of ``units`` (the worker's: index -> [(trainable weight, its host master)]), those the
+        forward runs first, up to ``share`` of the trainable bytes (at least one), step on the device."""
         if share <= 0:
             return None
-        # the worker's units: (real parameter, its host master) of the weights the optimizer holds
-        units = {u: list(zip(reals, (s.data for s in self.stepper.subs[u][1])))
-                 for u, reals in self.stepper.reals.items()}
         sizes = {u: sum(p.nbytes for p, _ in pairs) for u, pairs in units.items()}
         order = [u.index for u in self.plan.units]  # blocks run in list order (the schedule's seed)
-        chosen, taken = {}, 0
+        chosen, taken, limit = {}, 0, share * sum(sizes.values())
         for u in (u for u in order if u in units):
-            if chosen and taken + sizes[u] > share * sum(sizes.values()):
+            if chosen and taken + sizes[u] > limit:
                 break
             chosen[u], taken = units[u], taken + sizes[u]
         return DeviceSteps(optimizer, chosen, order, self.device, self.stepper)

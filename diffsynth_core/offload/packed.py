@@ -70,7 +70,8 @@ def pack(w: torch.Tensor, base: int) -> tuple[torch.Tensor, torch.Tensor, torch.
     if codes.numel() % 2:
         codes = torch.cat([codes, codes.new_zeros(1)])
     nibbles = codes[0::2] | (codes[1::2] << 4)
-    signed = bits[escapes] - ((bits[escapes] >> 15) << 16)  # 0..65535 back to int16's range
+    escaped = bits[escapes]
+    signed = escaped - ((escaped >> 15) << 16)  # 0..65535 back to int16's range
     return (lows.to(torch.uint8).reshape(w.shape), nibbles.to(torch.uint8), escapes,
             signed.to(torch.int16))
 
@@ -96,8 +97,11 @@ def patch(flat16: torch.Tensor, positions: torch.Tensor, bits: torch.Tensor) -> 
 
 
 def decode(lows: torch.Tensor, nibbles: torch.Tensor, base: int, positions: torch.Tensor,
-           bits: torch.Tensor) -> torch.Tensor:
-    """A new bf16 tensor from its packed form (positions relative to the tensor)."""
-    out = unpack(lows, nibbles, base, torch.empty(lows.shape, dtype=torch.bfloat16, device=lows.device))
+           bits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A bf16 tensor from its packed form (positions relative to the tensor), into ``out`` (bf16,
+    contiguous, shaped like ``lows``) or a new tensor."""
+    if out is None:
+        out = torch.empty(lows.shape, dtype=torch.bfloat16, device=lows.device)
+    unpack(lows, nibbles, base, out)
     patch(out.view(torch.int16).reshape(-1), positions, bits)
     return out

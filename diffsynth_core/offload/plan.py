@@ -146,10 +146,7 @@ def _restored(arena_buffer: torch.Tensor, unit: Unit, rec: TensorRecord, on_devi
     if rec.quantized:
         return dequantize_rows(data, scale_view(arena_buffer, unit, rec), rec.orig_dtype).to(rec.orig_device)
     if rec.packed:
-        positions, bits = escape_views(arena_buffer, unit, rec)
-        weight = packed.decode(data, nibble_view(arena_buffer, unit, rec), rec.packed_base,
-                               positions - rec.dev_offset // 2, bits)
-        return weight.to(rec.orig_device)
+        return decode_packed(arena_buffer, unit, rec).to(rec.orig_device)
     if in_place and data.dtype == rec.orig_dtype and rec.orig_device.type == "cpu":
         return data  # in place: the arena's memory becomes the weight's memory
     return data.to(device=rec.orig_device, dtype=rec.orig_dtype, copy=True)
@@ -163,21 +160,37 @@ def scale_view(buf: torch.Tensor, unit: Unit, rec: TensorRecord) -> torch.Tensor
     return typed_view(buf, unit.host_offset + rec.scale_offset, torch.float32, torch.Size([rec.shape[0]]))
 
 
-def nibble_view(buf: torch.Tensor, unit: Unit, rec: TensorRecord, base: int | None = None) -> torch.Tensor:
-    """A packed tensor's exponent codes in ``buf`` (the arena, or ``unit``'s region from ``base``)."""
-    start = unit.host_offset if base is None else base
-    return typed_view(buf, start + rec.nibble_offset, torch.uint8, torch.Size([packed.nibble_bytes(rec.numel)]))
+def nibble_view(buf: torch.Tensor, unit: Unit, rec: TensorRecord, start: int | None = None) -> torch.Tensor:
+    """A packed tensor's exponent codes in ``buf`` (the arena, or ``unit``'s region from ``start``)."""
+    return typed_view(buf, _region(unit, start) + rec.nibble_offset, torch.uint8,
+                      torch.Size([packed.nibble_bytes(rec.numel)]))
 
 
 def escape_views(buf: torch.Tensor, unit: Unit, rec: TensorRecord | None = None,
-                 base: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 start: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(positions, bits) of ``unit``'s escape table in ``buf`` (the arena, or the unit's region from
-    ``base``), or only ``rec``'s rows; positions count int16 elements of the compute layout."""
-    start = unit.host_offset if base is None else base
+    ``start``), or only ``rec``'s rows; positions count int16 elements of the compute layout."""
     first, rows = (0, unit.escapes) if rec is None else (rec.escape_start, rec.escapes)
-    positions = typed_view(buf, start + unit.escape_offset + 8 * first, torch.int64, torch.Size([rows]))
-    bits = typed_view(buf, start + unit.escape_bits_offset + 2 * first, torch.int16, torch.Size([rows]))
+    at = _region(unit, start)
+    positions = typed_view(buf, at + unit.escape_offset + 8 * first, torch.int64, torch.Size([rows]))
+    bits = typed_view(buf, at + unit.escape_bits_offset + 2 * first, torch.int16, torch.Size([rows]))
     return positions, bits
+
+
+def decode_packed(buf: torch.Tensor, unit: Unit, rec: TensorRecord, start: int | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """``rec`` (packed) decoded from ``buf`` (the arena, or ``unit``'s region from ``start``), escapes
+    included, into ``out`` or a new tensor: the eager path, and the reference of the kernel."""
+    at = _region(unit, start)
+    lows = typed_view(buf, at + rec.host_offset, torch.uint8, rec.shape)
+    positions, bits = escape_views(buf, unit, rec, start)
+    return packed.decode(lows, nibble_view(buf, unit, rec, start), rec.packed_base,
+                         positions - rec.dev_offset // 2, bits, out=out)
+
+
+def _region(unit: Unit, start: int | None) -> int:
+    """Where ``unit``'s stored bytes begin: in the arena, or at ``start`` of another buffer."""
+    return unit.host_offset if start is None else start
 
 
 def _fill_packed(buf: torch.Tensor, unit: Unit, rec: TensorRecord, weight: torch.Tensor) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from . import packed, packed_cuda, widen_cuda
 from .arena import typed_view
-from .plan import escape_views, nibble_view
+from .plan import decode_packed, escape_views
 from .quant import dequantize_rows
 from .units import TensorRecord, Unit
 
@@ -71,7 +71,7 @@ class UnitWidening:
                 done |= ids
         if self.packed_groups and all([packed_cuda.unpack_segments(src, _flat(dst, torch.int16), table)
                                        for table in self.packed_groups]):
-            packed.patch(_flat(dst, torch.int16), *escape_views(src, self.unit, base=0))
+            packed.patch(_flat(dst, torch.int16), *escape_views(src, self.unit, start=0))
             done |= {id(rec) for rec in self.unit.tensors if rec.packed}
         for rec, view in zip(self.unit.tensors[self.plain:], views[self.plain:]):
             if id(rec) not in done:
@@ -97,8 +97,6 @@ def widen_one(unit: Unit, rec: TensorRecord, src: torch.Tensor, view: torch.Tens
         scales = typed_view(src, rec.scale_offset, torch.float32, torch.Size([rec.shape[0]]))
         dequantize_rows(stored, scales, rec.compute_dtype, out=view)
     elif rec.packed:
-        packed.unpack(stored, nibble_view(src, unit, rec, base=0), rec.packed_base, view)
-        positions, bits = escape_views(src, unit, rec, base=0)
-        packed.patch(view.view(torch.int16).reshape(-1), positions - rec.dev_offset // 2, bits)
+        decode_packed(src, unit, rec, start=0, out=view)
     else:
         view.copy_(stored)
