@@ -19,6 +19,10 @@
 #                                                # (PAIRS=6; INTERLEAVE=rows; COPIES=1: the copies alone),
 #                                                # the optimizer toy with its GPU-step row (OPTIM=0: not),
 #                                                # and the optimizer-state GPU tests
+#   bench/h200_session.sh packed                 # packed bf16 / fp8 kernels: their GPU tests, the widening
+#                                                # kernels alone (bench.offload --cases widen), the optimizer toy
+#   bench/h200_session.sh packed20b              # Qwen-Image 20B: resident, packed within 24 GB (eager and
+#                                                # compiled), fp8 within 16 GB compiled (QWEN_ROWS=...: others)
 #   bench/h200_session.sh timeline               # where the 12-of-24 row's time goes (bench/gpu_timeline.py),
 #                                                # then that row interleaved with resident (PAIRS=12), and
 #                                                # every offload GPU test
@@ -127,6 +131,18 @@ hoststate|bwdstep)  # the optimizer state off the GPU: offload.optimizer_state_o
 e2e)
   timeout "$(left)" python3 -m bench.e2e_gpu --workdir /tmp/splitflow-e2e --out "$OUT/e2e_full_h200.json" \
     --set offload.vram_budget_gb=22.35 > "$OUT/e2e_log.txt" 2>&1; tail -5 "$OUT/e2e_log.txt"
+  ;;
+packed)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -k "not nccl" tests/core/offload/test_packed_gpu.py \
+    tests/core/offload/test_widening.py tests/core/offload/test_offload_gpu.py > "$OUT/gpu_tests.txt" 2>&1
+  tail -3 "$OUT/gpu_tests.txt"
+  timeout 60 python3 -m bench.offload --cases widen --out "$OUT/widen_h200.json" > /dev/null
+  timeout "$(left)" python3 -m bench.offload --cases optim --out "$OUT/offload_optim_h200.json" > /dev/null
+  ;;
+packed20b)
+  timeout "$(left)" python3 -m bench.offload --cases qwen20b --qwen-steps 12 --qwen-rows \
+    "${QWEN_ROWS:-resident_compiled,packed_budget_24gb_compiled,packed_budget_24gb,fp8_budget_16gb_compiled}" \
+    --out "$OUT/offload_packed_24gb_h200.json" > /dev/null
   ;;
 esac
 python3 bench/summarise_h200.py "$OUT"

@@ -650,6 +650,8 @@ def _widen_unit(a, dev: torch.device, storage) -> dict:
         total = (time.perf_counter() - t0) / n
         res[name] = {"host_us_per_unit": host * 1e6, "wall_us_per_unit": total * 1e6}
         outs[name] = dst
+    if dev.type == "cuda":
+        res["batched"].update(_kernels_alone(unit, batched, src, outs["batched"]))
     # the tensors only: the kernels may write the alignment padding between them
     fast, slow = ([typed_view(outs[k], r.dev_offset, r.compute_dtype, r.shape) for r in unit.tensors]
                   for k in ("batched", "per_tensor"))
@@ -659,6 +661,35 @@ def _widen_unit(a, dev: torch.device, storage) -> dict:
                                               for v, o in zip(fast, originals))
     res["host_speedup"] = res["per_tensor"]["host_us_per_unit"] / res["batched"]["host_us_per_unit"]
     return res
+
+
+def _kernels_alone(unit, batched, src: torch.Tensor, dst: torch.Tensor) -> dict:
+    """The batched widening's kernel launches alone (no plain copy, no escapes), timed with CUDA
+    events over 50 units, and the bytes they read and write per second: against ``bf16_copy_ms``
+    (a device copy: the memory's pace), how far each kernel is from the bound."""
+    from diffsynth_core.offload import packed_cuda, widen_cuda
+    from diffsynth_core.offload.packed import nibble_bytes
+    from diffsynth_core.offload.widening import _flat
+
+    def kernels():
+        for store, compute, _, table in batched.groups:
+            widen_cuda.widen_segments(_flat(src, store), _flat(src, torch.float32), _flat(dst, compute), table)
+        for table in batched.packed_groups:
+            packed_cuda.unpack_segments(src, _flat(dst, torch.int16), table)
+    moved = sum(r.numel * (r.store_dtype.itemsize + r.compute_dtype.itemsize) + r.shape[0] * 4
+                for r in unit.tensors if r.quantized)
+    moved += sum(r.numel * 3 + nibble_bytes(r.numel) for r in unit.tensors if r.packed)
+    kernels()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    n = 50
+    start.record()
+    for _ in range(n):
+        kernels()
+    end.record()
+    end.synchronize()
+    ms = start.elapsed_time(end) / n
+    return {"kernels_ms": ms, "kernel_bytes": moved, "kernel_gb_per_s": moved / ms / 1e6}
 
 
 # --- optimizer offload toy -------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -22,60 +23,14 @@ BLOCK = 2048  # columns per program: 2 KiB of fp8 read, 4 KiB of bf16 written
 
 
 @functools.cache
-def _kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def widen_rows(q_ptr, scale_ptr, out_ptr, cols, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = col < cols
-        base = row.to(tl.int64) * cols
-        scale = tl.load(scale_ptr + row)
-        x = tl.load(q_ptr + base + col, mask=mask).to(tl.float32)
-        tl.store(out_ptr + base + col, (x * scale).to(out_ptr.dtype.element_ty), mask=mask)
-
-    return widen_rows, triton.cdiv
-
-
-@functools.cache
-def _segments_kernel():
-    """``widen_rows`` over several tensors in one launch: a unit's fp8 weights (*segments*), read
-    from one buffer and written into another.  ``table`` holds six rows of ``MAXSEG`` int64: each
-    segment's first program, and its codes, scales and output offsets (in elements of their
-    pointers' dtypes), columns per row and programs per row.  Each program finds its segment by
-    counting the first programs at or below its own id, then widens one block of one row."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def widen_segments(q_ptr, scale_ptr, out_ptr, table_ptr, n, MAXSEG: tl.constexpr, BLOCK: tl.constexpr):
-        pid = tl.program_id(0).to(tl.int64)
-        idx = tl.arange(0, MAXSEG)
-        firsts = tl.load(table_ptr + idx, mask=idx < n, other=1 << 62)
-        seg = tl.sum((firsts <= pid).to(tl.int32), axis=0) - 1
-        local = pid - tl.load(table_ptr + seg)
-        cols = tl.load(table_ptr + 4 * MAXSEG + seg)
-        per_row = tl.load(table_ptr + 5 * MAXSEG + seg)
-        row = local // per_row
-        col = (local % per_row) * BLOCK + tl.arange(0, BLOCK)
-        mask = col < cols
-        scale = tl.load(scale_ptr + tl.load(table_ptr + 2 * MAXSEG + seg) + row)
-        x = tl.load(q_ptr + tl.load(table_ptr + MAXSEG + seg) + row * cols + col, mask=mask).to(tl.float32)
-        out = out_ptr + tl.load(table_ptr + 3 * MAXSEG + seg) + row * cols + col
-        tl.store(out, (x * scale).to(out_ptr.dtype.element_ty), mask=mask)
-
-    return widen_segments
-
-
-@functools.cache
-def _triton_importable() -> bool:
+def kernels():
+    """``triton_kernels``, or ``None`` where Triton is not importable (CPU wheels): the eager
+    widening runs there."""
     try:
-        _kernel()
-    except Exception:  # no triton in this build (CPU wheels): the eager widening runs
-        return False
-    return True
+        from . import triton_kernels
+    except Exception:
+        return None
+    return triton_kernels
 
 
 # (device capability, fp8 dtype, output dtype) the kernel failed to compile for: Triton's e4m3
@@ -92,8 +47,8 @@ def widen_rows(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> bool
     rows = q.shape[0]
 
     def launch():
-        kernel, cdiv = _kernel()
-        kernel[(rows, cdiv(q.numel() // rows, BLOCK))](q, scales, out, q.numel() // rows, BLOCK=BLOCK)
+        cols = q.numel() // rows
+        kernels().widen_rows[(rows, -(-cols // BLOCK))](q, scales, out, cols, BLOCK=BLOCK)
     return launched(q, out, launch)
 
 
@@ -101,7 +56,7 @@ def launched(q: torch.Tensor, out: torch.Tensor, launch, what: str = "the one-pa
     """Run ``launch`` (a kernel widening ``q`` into ``out``) unless Triton is missing or cannot
     compile for this GPU and these dtypes; whether it ran.  ``what`` names the kernel in the warning."""
     key = (torch.cuda.get_device_capability(q.device), q.dtype, out.dtype)
-    if key in _unsupported or not _triton_importable():
+    if key in _unsupported or kernels() is None:
         return False
     try:
         launch()
@@ -113,26 +68,43 @@ def launched(q: torch.Tensor, out: torch.Tensor, launch, what: str = "the one-pa
     return True
 
 
-def segment_table(segments: list[tuple[int, int, int, int, int]], device) -> tuple[torch.Tensor, int, int]:
-    """The ``table`` of ``widen_segments`` for ``segments`` = (codes, scales, output offsets in
-    elements, rows, columns) each; returns (table on ``device``, segments, programs)."""
-    maxseg = max(2, 1 << (len(segments) - 1).bit_length())
-    fields = [[0] * maxseg for _ in range(6)]
-    programs = 0
-    for i, (q_off, s_off, o_off, rows, cols) in enumerate(segments):
-        per_row = -(-cols // BLOCK)
-        for f, v in enumerate((programs, q_off, s_off, o_off, cols, per_row)):
-            fields[f][i] = v
-        programs += rows * per_row
-    return torch.tensor(fields, dtype=torch.int64, device=device), len(segments), programs
+class SegmentTable(NamedTuple):
+    """What a segment kernel's launch needs: its table on the device, how many segments the table
+    holds, how many programs they take, and whether every segment's rows are a multiple of 16."""
+    tensor: torch.Tensor
+    segments: int
+    programs: int
+    aligned: bool = False
 
 
-def widen_segments(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, table: tuple[torch.Tensor, int, int]) -> bool:
+def table(fields: list[tuple[int, ...]], programs: list[int], device, aligned: bool = False) -> SegmentTable:
+    """A segment kernel's table: row 0 each segment's first program (the running sum of
+    ``programs``), then a row per field (``fields`` holds one tuple per segment), int64, with
+    columns for a power of two of segments (the kernel's ``MAXSEG``)."""
+    maxseg = max(2, 1 << (len(fields) - 1).bit_length())
+    rows = [[0] * maxseg for _ in range(1 + len(fields[0]))]
+    first = 0
+    for i, (seg_fields, seg_programs) in enumerate(zip(fields, programs)):
+        for f, v in enumerate((first, *seg_fields)):
+            rows[f][i] = v
+        first += seg_programs
+    return SegmentTable(torch.tensor(rows, dtype=torch.int64, device=device), len(fields), first, aligned)
+
+
+def segment_table(segments: list[tuple[int, int, int, int, int]], device) -> SegmentTable:
+    """The table of ``widen_segments`` for ``segments`` = (codes, scales, output offsets in
+    elements, rows, columns) each."""
+    return table([(q_off, s_off, o_off, cols, -(-cols // BLOCK)) for q_off, s_off, o_off, _, cols in segments],
+                 [rows * -(-cols // BLOCK) for *_, rows, cols in segments], device,
+                 aligned=all(cols % 16 == 0 for *_, cols in segments))
+
+
+def widen_segments(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, segments: SegmentTable) -> bool:
     """Widen every segment of ``table`` (``segment_table``) from ``q`` (fp8) and ``scales`` (fp32),
     flat views of one buffer, into ``out``, a flat view of another, in one launch; ``False``
     (nothing written) where the kernel does not apply, as for ``widen_rows``."""
-    tensor, n, programs = table
-    if not (q.is_cuda and programs > 0):
+    if not (q.is_cuda and segments.programs > 0):
         return False
-    return launched(q, out, lambda: _segments_kernel()[(programs,)](q, scales, out, tensor, n,
-                                                                      MAXSEG=tensor.shape[1], BLOCK=BLOCK))
+    return launched(q, out, lambda: kernels().widen_segments[(segments.programs,)](
+        q, scales, out, segments.tensor, segments.segments, MAXSEG=segments.tensor.shape[1], BLOCK=BLOCK,
+        ALIGNED=segments.aligned))

@@ -27,9 +27,19 @@ class Mixed(nn.Module):
         self.c = nn.Linear(64, 64)
 
 
-def _plan(seed: int = 0):
+class Even(nn.Module):
+    """Rows of a multiple of 16 weights, as in real models: the kernel's aligned variant."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3072, 272)
+        self.norm = nn.LayerNorm(272)
+        self.b = nn.Linear(16, 4096, bias=False)
+
+
+def _plan(seed: int = 0, block=Mixed):
     torch.manual_seed(seed)
-    model = nn.Sequential(Mixed(), Mixed()).to(torch.bfloat16).requires_grad_(False)
+    model = nn.Sequential(block(), block()).to(torch.bfloat16).requires_grad_(False)
     for p in model.parameters():  # rows spanning many binades, as fp8 row scales must survive
         p.data *= torch.logspace(-6, 1, p.shape[0]).view(-1, *[1] * (p.dim() - 1)).to(p.dtype)
     return build_plan(model, torch.device("cpu"), "block", None, False, FP8)
@@ -75,14 +85,16 @@ def test_widening_a_unit_on_the_cpu_gives_each_tensor_its_own_widening():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("segments", [64, 2])  # one launch, and several (chunks of two tensors)
-def test_batched_widening_on_cuda_equals_the_eager_one_bit_for_bit(monkeypatch, segments):
+@pytest.mark.parametrize("block", [Mixed, Even])  # ragged rows (masked loads) and rows of 16s (16-byte ones)
+def test_batched_widening_on_cuda_equals_the_eager_one_bit_for_bit(monkeypatch, segments, block):
     from diffsynth_core.offload import widen_cuda
 
     monkeypatch.setattr(widening, "SEGMENTS", segments)
     cuda = torch.device("cuda")
-    plan = _plan()
+    plan = _plan(block=block)
     unit, src = plan.units[0], _stored_bytes(plan).to(cuda)
     batched = UnitWidening(unit, cuda)
+    assert all(table.aligned == (block is Even) for *_, table in batched.groups)
     assert batched.groups and sum(len(ids) for *_, ids, _ in batched.groups) == sum(r.quantized for r in unit.tensors)
     launched = []
     real = widen_cuda.widen_segments
@@ -105,7 +117,7 @@ def test_a_kernel_that_does_not_compile_falls_back_to_the_eager_widening_with_on
             def launch(*args, **kwargs):
                 raise RuntimeError("no fp8 conversion on this GPU")  # what Triton raises at compile time
             return launch
-    monkeypatch.setattr(widen_cuda, "_segments_kernel", lambda: Uncompilable())
+    monkeypatch.setattr(widen_cuda.kernels(), "widen_segments", Uncompilable())
     monkeypatch.setattr(widen_cuda, "_unsupported", set())
     cuda = torch.device("cuda")
     plan = _plan()
