@@ -21,8 +21,9 @@
 #                                                # and the optimizer-state GPU tests
 #   bench/h200_session.sh packed                 # packed bf16 / fp8 kernels: their GPU tests, the widening
 #                                                # kernels alone (bench.offload --cases widen), the optimizer toy
-#   bench/h200_session.sh packed20b              # Qwen-Image 20B: resident, packed within 24 GB (eager and
-#                                                # compiled), fp8 within 16 GB compiled (QWEN_ROWS=...: others)
+#   bench/h200_session.sh packed20b              # packed GPU tests, the widening kernels, then Qwen-Image 20B:
+#                                                # resident, packed within 24 GB (eager and compiled), fp8
+#                                                # within 16 GB compiled (QWEN_ROWS=...: others)
 #   bench/h200_session.sh timeline               # where the 12-of-24 row's time goes (bench/gpu_timeline.py),
 #                                                # then that row interleaved with resident (PAIRS=12), and
 #                                                # every offload GPU test
@@ -140,6 +141,9 @@ packed)
   timeout "$(left)" python3 -m bench.offload --cases optim --out "$OUT/offload_optim_h200.json" > /dev/null
   ;;
 packed20b)
+  timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/offload/test_packed_gpu.py \
+    > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
+  timeout 60 python3 -m bench.offload --cases widen --out "$OUT/widen_h200.json" > /dev/null
   timeout "$(left)" python3 -m bench.offload --cases qwen20b --qwen-steps 12 --qwen-rows \
     "${QWEN_ROWS:-resident_compiled,packed_budget_24gb_compiled,packed_budget_24gb,fp8_budget_16gb_compiled}" \
     --out "$OUT/offload_packed_24gb_h200.json" > /dev/null

@@ -651,7 +651,7 @@ def _widen_unit(a, dev: torch.device, storage) -> dict:
         res[name] = {"host_us_per_unit": host * 1e6, "wall_us_per_unit": total * 1e6}
         outs[name] = dst
     if dev.type == "cuda":
-        res["batched"].update(_kernels_alone(unit, batched, src, outs["batched"]))
+        res["batched"].update(_kernels_alone(unit, batched, src, torch.empty_like(outs["batched"])))
     # the tensors only: the kernels may write the alignment padding between them
     fast, slow = ([typed_view(outs[k], r.dev_offset, r.compute_dtype, r.shape) for r in unit.tensors]
                   for k in ("batched", "per_tensor"))

@@ -51,6 +51,8 @@ def test_the_kernel_decodes_every_unit_to_the_bits_of_its_weights(monkeypatch):
 
 
 def _train(storage, budget_gb: float = 0.0, steps: int = 4):
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()  # each run's own peak (the budget below is built on one)
     model = _model()
     apply_gradient_checkpointing(model, ("blocks",))
     mgr = OffloadTrainingManager(model, CUDA, storage_dtype=storage, vram_budget_gb=budget_gb)
@@ -78,11 +80,13 @@ def test_training_on_packed_weights_equals_bf16_storage_bit_for_bit():
     assert all(torch.equal(a, b) for a, b in zip(plain_losses, losses))
     assert all(torch.equal(a, b) for a, b in zip(plain_lora, lora))
     assert report["last_step_h2d_bytes"] < 0.8 * plain["last_step_h2d_bytes"]
-    # Under a budget with room for two and a half units as stored (what step 1 took, the margin,
-    # the room), the planner keeps two on the device as stored and widens them at each use.
-    room = 2.5 * max(u.host_bytes for u in report["units_planned"])
-    budget = (report["gpu_peak_bytes"] + 256 * 2**20 + room) / 0.98 / 2**30
+    # Under a budget with room for three and a half of the four units as stored (what step 1 took,
+    # the margin, the room), the planner keeps some on the device as stored (not all: then it would
+    # widen one) and widens them at each use.
+    room = 3.5 * max(u.host_bytes for u in report["units_planned"])
+    budget = (report["gpu_peak_bytes"] + 256 * 2**20 + room) * 50 / 49 / 2**30  # budget.margin_bytes
     b_losses, b_lora, budgeted = _train(packed.PACKED, budget_gb=budget)
-    assert budgeted["compact_units"] >= 1 and budgeted["budget_units"] == 0
+    planned = {k: budgeted[k] for k in ("compact_units", "budget_units", "planned_peak_bytes", "budget_bytes")}
+    assert budgeted["compact_units"] >= 1 and budgeted["budget_units"] == 0, (planned, report["gpu_peak_bytes"], room)
     assert all(torch.equal(a, b) for a, b in zip(plain_losses, b_losses))
     assert all(torch.equal(a, b) for a, b in zip(plain_lora, b_lora))
