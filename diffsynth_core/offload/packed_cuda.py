@@ -2,7 +2,7 @@
 
 Eager PyTorch decodes in about ten passes over the weights (int32 temporaries and all); the kernel
 reads each weight's byte and half byte once and writes its two bytes once, for every packed tensor
-of a unit in one launch, like ``widen_cuda.widen_segments`` does for fp8: 0.74 ms for a real-width
+of a unit in one launch, like ``widen_cuda.widen_segments`` does for fp8: 0.47 ms for a real-width
 Qwen-Image block (340 M weights, escapes included) on the H200, against 12-15 ms eager
 (``python -m bench.offload --cases widen``, ``unit_packed``).  Escapes are written after it by one
 ``index_copy_`` (``widening``).  Same arithmetic as ``packed.unpack``, so the same bits
