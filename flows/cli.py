@@ -258,7 +258,27 @@ def main(argv: list[str] | None = None) -> int:
     own, diffsynth_flags = diffsynth.split_argv(sys.argv[1:] if argv is None else list(argv))
     args, extra = parser.parse_known_args(own)
     extra = diffsynth_flags + extra
-    with StopSignals(args.verb, restore=argv is not None) as signals:  # SIGTERM like Ctrl-C: servers stopped, work kept
+    code = _run_verb(args, extra, restore_signals=argv is not None)
+    if argv is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        _leave_rank(code)
+    return code
+
+
+def _leave_rank(code: int) -> None:
+    """End a torchrun rank now, its work done and on disk: in the interpreter's teardown, gloo's
+    threads abort a finished rank now and then ("terminate called without an active exception",
+    SIGABRT: torchrun then reports the whole run failed), even with the process group destroyed
+    (``stages.common.leaving_process_group``)."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
+def _run_verb(args: argparse.Namespace, extra: list[str], restore_signals: bool) -> int:
+    with StopSignals(args.verb, restore=restore_signals) as signals:  # SIGTERM like Ctrl-C: servers stopped, work kept
         try:
             try:
                 return VERBS[args.verb][0](args, extra)
