@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
 import json
 import pstats
-import sys
 import time
 from pathlib import Path
 
@@ -29,10 +27,7 @@ from torch import nn
 
 from diffsynth_core.gradient import apply_gradient_checkpointing
 from diffsynth_core.offload import OffloadTrainingManager, packed
-from diffsynth_core.offload.manager import OffloadTrainingManager as Manager
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "core" / "offload"))
-from offload_tiny import add_lora  # noqa: E402  (the tests' peft LoRA injection)
+from diffsynth_core.training.lora import inject_lora
 
 TENSORS_PER_BLOCK = 32  # a real-width Qwen-Image block: 14 Linear weights, 14 biases, 4 norm scales
 
@@ -61,14 +56,15 @@ class Stack(nn.Module):
 
 def measure(storage, d: int, n: int, steps: int, profile: bool) -> dict:
     torch.manual_seed(0)
-    model = add_lora(Stack(d, n).bfloat16(), ["lins.0", "lins.5"])
+    model = Stack(d, n).bfloat16()
+    inject_lora(model, ["lins.0", "lins.5"], rank=4)
     apply_gradient_checkpointing(model, ("blocks",))
     mgr = OffloadTrainingManager(model, torch.device("cuda"), storage_dtype=storage)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
     x = torch.randn(16, d, device="cuda").bfloat16()
     spent = {"s": 0.0, "uses": 0}
-    real = Manager._use
+    real = OffloadTrainingManager._use
 
     def timed(self, *args, **kwargs):
         t = time.perf_counter()
@@ -78,7 +74,7 @@ def measure(storage, d: int, n: int, steps: int, profile: bool) -> dict:
             spent["s"] += time.perf_counter() - t
             spent["uses"] += 1
 
-    Manager._use = timed
+    OffloadTrainingManager._use = timed
     prof = cProfile.Profile() if profile else None
     warmup = steps // 2
     try:
@@ -98,13 +94,13 @@ def measure(storage, d: int, n: int, steps: int, profile: bool) -> dict:
         if prof:
             prof.disable()
     finally:
-        Manager._use = real
+        OffloadTrainingManager._use = real
     out = {"storage": str(storage), "use_us": 1e6 * spent["s"] / max(spent["uses"], 1),
            "uses_per_step": spent["uses"] / (steps - warmup), "step_ms": 1e3 * wall / (steps - warmup),
            "h2d_copies": mgr.report()["h2d_copies"]}
     mgr.detach()
     if prof:
-        stats = pstats.Stats(prof, stream=io.StringIO())
+        stats = pstats.Stats(prof)
         rows = [(f"{Path(f).name}:{line}({fn})", ct) for (f, line, fn), (_, _, _, ct, _) in stats.stats.items()
                 if "offload" in f or "triton" in f]
         out["profile_cumulative_s"] = [[name, round(ct, 4)] for name, ct in sorted(rows, key=lambda r: -r[1])[:25]]

@@ -259,22 +259,23 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(own)
     extra = diffsynth_flags + extra
     code = _run_verb(args, extra, restore_signals=argv is not None)
-    if argv is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    common = sys.modules.get("stages.common")  # never imported: no process group was joined
+    if argv is None and common is not None and common.joined_process_group():
         _leave_rank(code)
     return code
 
 
 def _leave_rank(code: int) -> None:
-    """End a torchrun rank now, its work done and on disk: in the interpreter's teardown, gloo's
-    threads abort a finished rank now and then ("terminate called without an active exception",
-    SIGABRT: torchrun then reports the whole run failed), even with the process group destroyed
-    (``stages.common.leaving_process_group``)."""
+    """End a process that joined a torchrun group now, its work done and on disk: in the
+    interpreter's teardown, gloo's threads abort a finished rank now and then ("terminate called
+    without an active exception", SIGABRT: torchrun then reports the whole run failed), even with
+    the process group destroyed (``stages.common.leaving_process_group``)."""
     import logging
 
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code or 0)
+    os._exit(code)
 
 
 def _run_verb(args: argparse.Namespace, extra: list[str], restore_signals: bool) -> int:

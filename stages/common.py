@@ -45,7 +45,17 @@ def init_distributed(device: torch.device) -> torch.device:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    global _joined_group
+    _joined_group = True
     return device
+
+
+_joined_group = False  # init_distributed joined a process group in this process (destroyed or not)
+
+
+def joined_process_group() -> bool:
+    """Whether this process joined a launcher's process group (``init_distributed``)."""
+    return _joined_group
 
 
 @contextmanager
