@@ -806,7 +806,7 @@ def optim_worker(a) -> dict:
     if a.mode.startswith("bound"):
         threads = None if a.threads_less is None else max(1, torch.get_num_threads() - a.threads_less)
         mgr.bind_optimizer(opt, overlap_backward=a.mode.startswith("bound_overlap_backward"), threads=threads,
-                           device_step_share=a.device_share)
+                           device_step_share=a.device_share, keep_device_state=a.keep_device_state)
     start = trace = None
     for i in range(OPTIM_STEPS):  # the period of the steps after warm-up, every host step and kernel drained at the end
         if i == OPTIM_WARMUP:
@@ -816,6 +816,7 @@ def optim_worker(a) -> dict:
                 mgr.stepper.join()
                 before = dict(mgr.stepper.stats)
             start, phases = time.perf_counter(), {"forward": 0.0, "backward": 0.0, "optimizer_step": 0.0}
+            h2d_before = mgr.report()["h2d_bytes"] if mgr is not None else 0
         if i == OPTIM_STEPS - 2 and mgr is not None and mgr.stepper is not None:
             trace = mgr.stepper.trace = []  # the last two steps, for the timeline
         t0 = time.perf_counter()
@@ -852,6 +853,7 @@ def optim_worker(a) -> dict:
                               for what, unit, t0, t1 in sorted(trace, key=lambda t: t[2])]
     if mgr is not None:
         out["stalls"] = mgr.report()["stalls"]
+        out["weights_h2d_gb_per_step"] = (mgr.report()["h2d_bytes"] - h2d_before) / steps / GB
         mgr.detach()
     if pager is not None:
         # every step but the first, which makes the state, copies it all in
@@ -875,14 +877,28 @@ OPTIM_ROWS = {  # row -> (mode, extra worker args)
     # (bind_optimizer(device_step_share=...)): the worker steps the rest
     **{f"bound_overlap_backward_device_{int(share * 100)}": ("bound_overlap_backward", ["--device-share", str(share)])
        for share in (0.2, 0.3, 0.4, 0.5)},
+    # every unit in its own slot (prefetch 9): a unit loaded for the forward is still there for its
+    # backward, so the weights cross PCIe once a step instead of twice
+    "bound_overlap_backward_held": ("bound_overlap_backward", ["--prefetch", "9"]),
+    **{f"bound_overlap_backward_device_{int(share * 100)}_held": ("bound_overlap_backward",
+                                                                  ["--device-share", str(share), "--prefetch", "9"])
+       for share in (0.1, 0.2, 0.3)},
+    # the GPU's share keeps its AdamW state on the GPU between steps (keep_device_state): only its
+    # weights cross PCIe, in and out; its state's bytes stay on the GPU
+    **{f"bound_overlap_backward_device_{int(share * 100)}_kept{held}": (
+        "bound_overlap_backward", ["--device-share", str(share), "--keep-device-state",
+                                   *(["--prefetch", "9"] if held else [])])
+       for share in (0.2, 0.3, 0.5) for held in ("", "_held")},
 }
 
 
 def case_optim(a) -> dict:
-    res = {row: _spawn(["--worker", "optim", "--mode", mode, *extra], 200) for row, (mode, extra) in OPTIM_ROWS.items()}
+    rows = {row: OPTIM_ROWS[row] for row in (a.optim_rows.split(",") if a.optim_rows else OPTIM_ROWS)}
+    rows = {"all_gpu": OPTIM_ROWS["all_gpu"], "cpu_adamw_alone": OPTIM_ROWS["cpu_adamw_alone"], **rows}
+    res = {row: _spawn(["--worker", "optim", "--mode", mode, *extra], 200) for row, (mode, extra) in rows.items()}
     if all("step_s" in r for r in res.values()):
         floor = max(res["all_gpu"]["step_s"], res["cpu_adamw_alone"]["step_s"])
-        for row in OPTIM_ROWS:
+        for row in rows:
             if row not in ("all_gpu", "cpu_adamw_alone"):
                 res[row]["step_over_max_gpu_or_cpu_adamw"] = res[row]["step_s"] / floor
     return res
@@ -901,6 +917,7 @@ def main() -> None:
                                                   "--profile-step": 0}.get(flag))
     ap.add_argument("--qwen-steps", type=int, default=12, help="steps of each qwen20b row (3 of warm-up)")
     ap.add_argument("--budget-gib", type=float, default=0.0)
+    ap.add_argument("--optim-rows", default="", help="optim rows beside all_gpu and cpu_adamw_alone (default: all)")
     ap.add_argument("--device-share", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--storage", default="")
@@ -924,7 +941,8 @@ def main() -> None:
                          "fp8_budget_16gb_compiled_fused_hoststate (offload.optimizer_state_on_host = true); "
                          "resident_narrow, resident_compiled_narrow (train.lora_narrow_inputs = true)")
     for flag in ("--offload", "--deterministic", "--keep-lora", "--act-offload", "--old-loop", "--skip-resident",
-                 "--per-tensor-widening", "--compile", "--fused-adamw", "--narrow-lora-input", "--state-on-host"):
+                 "--per-tensor-widening", "--compile", "--fused-adamw", "--narrow-lora-input", "--state-on-host",
+                 "--keep-device-state"):
         ap.add_argument(flag, action="store_true")
     a = ap.parse_args()
     if a.worker == "qwen":

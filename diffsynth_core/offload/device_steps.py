@@ -30,6 +30,13 @@ before have a page and are brought in ahead, and a page that came in but did not
 untouched.  The device's fused AdamW kernel is not the CPU's: results agree to rounding, not
 bitwise (on a CPU run the "device" step is the same CPU kernel: bitwise, which is what CPU tests
 check).
+
+With ``keep_state=True`` a device unit's state is not paged: it stays on the device between steps
+(its bytes of device memory for good; DeepSpeed's Twin-Flow keeps its GPU share there too), so
+PCIe carries only the weights out, the same bytes as a host unit's gradients.  State that is not
+on the device (made by the worker, or loaded by a resume's ``load_state_dict``) moves there at the
+unit's next step here, and back to the host when the worker steps the unit instead (a unit run
+twice in a forward).
 """
 
 from __future__ import annotations
@@ -56,11 +63,12 @@ class DeviceSteps:
     the state that came in for units the worker steps this time (untouched).  The events of
     each unit's copies out are handed to ``stepper.track(unit, event)``, which the manager waits on before
     loading the unit again.  ``stats``: units stepped, bytes each way, state copies in that were
-    not prefetched."""
+    not prefetched.  ``keep_state``: the units' state stays on the device (see above)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, units: dict[int, list[tuple[nn.Parameter, torch.Tensor]]],
-                 forward_order: list[int], device: torch.device, stepper, ahead: int = 2):
+                 forward_order: list[int], device: torch.device, stepper, ahead: int = 2, keep_state: bool = False):
         self.optimizer, self.device, self.stepper, self.ahead = optimizer, device, stepper, ahead
+        self.keep_state = keep_state
         self.cuda = device.type == "cuda"
         self.units = units
         self.forward_order = forward_order  # every unit's index; backward meets them in reverse
@@ -81,7 +89,7 @@ class DeviceSteps:
         units with a page: a unit the worker steps (one that ran twice a forward) must keep its
         state on the host."""
         pos = self.position.get(unit)
-        if pos is not None:
+        if pos is not None and not self.keep_state:
             for u in self.forward_order[max(0, pos - self.ahead):pos + 1]:
                 if u in self.pages:
                     self._page_in(u)
@@ -99,6 +107,24 @@ class DeviceSteps:
                 page.put_back()
 
     # --- the state --------------------------------------------------------------------------------
+    def _move_state(self, unit: int, device: torch.device) -> int:
+        """``keep_state``: the unit's state tensors not on ``device`` are moved there (the
+        optimizer's entries replaced); the bytes moved."""
+        moved = 0
+        for p, key, value in self._entries(unit):
+            if value.device != device:
+                self.optimizer.state[p][key] = value.to(device)
+                moved += value.nbytes
+        return moved
+
+    def before_host_step(self, unit: int) -> None:
+        """The worker is about to step ``unit`` (it ran twice in a forward): with ``keep_state``,
+        its state comes back to the host first (the CPU step cannot read device state)."""
+        if self.keep_state and unit in self.units:
+            if self.cuda:
+                self.stream.synchronize()  # its last step here wrote that state
+            self.stats["d2h_bytes"] += self._move_state(unit, torch.device("cpu"))
+
     def _page_in(self, unit: int) -> bool:
         """The unit's state onto the device (False: in already, or none yet: its first step makes it)."""
         page = self.pages.get(unit)
@@ -151,7 +177,9 @@ class DeviceSteps:
     # --- the step ---------------------------------------------------------------------------------
     def _step(self, unit: int) -> None:
         grads = self.grads.pop(unit)
-        if self._page_in(unit):
+        if self.keep_state:  # on the compute stream, which the step's stream waits for below
+            self.stats["h2d_bytes"] += self._move_state(unit, self.device)
+        elif self._page_in(unit):
             self.stats["late_state_in"] += 1
         page = self.pages.get(unit)
         pairs = self.units[unit]
@@ -192,6 +220,9 @@ class DeviceSteps:
         for w, (_, master) in zip(weights, self.units[unit]):
             master.copy_(w, non_blocking=True)
             self.stats["d2h_bytes"] += w.nbytes
+        if self.keep_state:
+            self.stepper.track(unit, blocking_event(self.stream) if self.cuda else None)
+            return
         page = self.pages.get(unit)
         in_place = page is not None and page.in_place()
         if not in_place:

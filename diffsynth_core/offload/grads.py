@@ -149,6 +149,8 @@ class HostGradSink:
             else:
                 p.grad = self._fold(key)
         for unit, grads in late.items():
+            if self.device_steps is not None:  # a device unit the worker steps: its state comes home
+                self.device_steps.before_host_step(unit)
             self.stepper.submit(unit, grads)
         for key in list(self.hidden):  # no new gradient this step: give the old one back
             p, host = self.hidden.pop(key)

@@ -314,7 +314,8 @@ class OffloadTrainingManager:
 
     # --- the optimizer -----------------------------------------------------------------------------
     def bind_optimizer(self, optimizer: torch.optim.Optimizer, overlap_backward: bool = False,
-                       threads: int | None = None, device_step_share: float = 0.0) -> None:
+                       threads: int | None = None, device_step_share: float = 0.0,
+                       keep_device_state: bool = False) -> None:
         """Step the host (optimizer-offloaded) weights unit by unit on a worker thread.
 
         ``optimizer.step()`` then queues each unit's step and returns: the next forward waits only
@@ -329,7 +330,9 @@ class OffloadTrainingManager:
         the units the forward runs first, step on the device during backward instead, their state
         paged through host memory (``device_steps``): the worker has that much less to do before
         the next forward, for 4 weights' bytes over PCIe per such unit and its state on the GPU
-        while it steps."""
+        while it steps.  ``keep_device_state``: those units' state stays on the device between steps
+        instead (its bytes of device memory for good; 2 weights' bytes over PCIe per unit: the
+        weights in and out, as a host unit's weights in and gradients out)."""
         if self.grad_sink is None:
             raise ValueError("bind_optimizer needs enable_optimizer_cpu_offload=True and trainable weights in the units")
         if overlap_backward and self.averager is not None:
@@ -338,11 +341,14 @@ class OffloadTrainingManager:
                 (device_step_share and not overlap_backward):
             raise ValueError(f"device_step_share must be within [0, 1] and needs overlap_backward=True, "
                              f"got {device_step_share!r}")
+        if keep_device_state and not device_step_share:
+            raise ValueError("keep_device_state keeps the state of the units stepped on the device: "
+                             "it needs device_step_share > 0")
         units = {u.index: [(r.param, m) for r, m in zip(u.tensors, self.streamer.masters[u.index]) if r.trainable]
                  for u in self.plan.units if u.index in self._trainable_units}
         self.stepper = HostStepper(optimizer, units, threads)
         if overlap_backward:
-            self.device_steps = self._device_steps(optimizer, units, device_step_share)
+            self.device_steps = self._device_steps(optimizer, units, device_step_share, keep_device_state)
             self.grad_sink.start_steps(self.stepper, {id(p): u for u, ps in self.stepper.reals.items() for p in ps},
                                        lambda unit: self._forward_uses.get(unit, 0) > 1, self.device_steps)
         else:
@@ -352,7 +358,7 @@ class OffloadTrainingManager:
             lambda opt, state: self.stepper.join()))
 
     def _device_steps(self, optimizer: torch.optim.Optimizer, units: dict[int, list[tuple[nn.Parameter, torch.Tensor]]],
-                      share: float) -> DeviceSteps | None:
+                      share: float, keep_state: bool = False) -> DeviceSteps | None:
         """Of ``units`` (the worker's: index -> [(trainable weight, its host master)]), those the
         forward runs first, up to ``share`` of the trainable bytes (at least one), step on the device."""
         if share <= 0:
@@ -364,7 +370,7 @@ class OffloadTrainingManager:
             if chosen and taken + sizes[u] > limit:
                 break
             chosen[u], taken = units[u], taken + sizes[u]
-        return DeviceSteps(optimizer, chosen, order, self.device, self.stepper)
+        return DeviceSteps(optimizer, chosen, order, self.device, self.stepper, keep_state=keep_state)
 
     def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Under ``vram_budget_gb``, plan room for the first ``optimizer.step()``'s peak as well (it

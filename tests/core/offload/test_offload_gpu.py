@@ -284,6 +284,50 @@ def test_steps_on_the_gpu_during_backward_match_the_host_steps():
     assert len(on_host) == 6 * 6 and sum(t.is_pinned() for t in on_host) == 2 * 6
 
 
+def test_device_steps_keeping_their_state_on_the_gpu_match_the_host_steps():
+    """``keep_device_state``: blocks 1-2 step on the GPU with their AdamW state kept there; a reload
+    of the optimizer's state (which lands it beside the host weights) moves it back at the next
+    step, and once blocks[1] runs twice a forward the worker steps it, its state brought home."""
+    def run(share, steps=5):
+        torch.manual_seed(0)
+        model = ToyStack(d=256, n=6)
+        model.offset = model.offset.to(CUDA)
+        mgr = OffloadTrainingManager(model, CUDA, enable_optimizer_cpu_offload=True, poison_evicted=True,
+                                     prefetch=8)
+        opt = torch.optim.AdamW([p for p in model.parameters()], lr=1e-3, fused=True)
+        mgr.bind_optimizer(opt, overlap_backward=True, device_step_share=share, keep_device_state=share > 0)
+        devices = []
+        for step in range(steps):
+            if step == 2:
+                opt.load_state_dict(opt.state_dict())
+            if step == 3:  # blocks[1] runs twice a forward from now on
+                head, again = model.head.forward, model.blocks[1]
+                model.head.forward = lambda x: head(again(x))
+            x = torch.randn(64, 256, generator=torch.Generator().manual_seed(step)).to(CUDA)
+            model(x).pow(2).mean().backward()
+            mgr.after_backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            mgr.sync()
+            devices.append([opt.state[p]["exp_avg"].device.type for p in (model.blocks[1].up.weight,
+                                                                           model.blocks[2].up.weight)])
+        state = opt.state_dict()
+        stats = mgr.report()["device_steps"]
+        mgr.detach()
+        return model.state_dict(), state, stats, devices
+    ref, ref_state, _, _ = run(0.0)
+    got, state, stats, devices = run(0.5)
+    # blocks 1-2 on the GPU after each step there; blocks[1] on the host once the worker steps it
+    assert devices == [["cuda", "cuda"]] * 3 + [["cpu", "cuda"]] * 2
+    assert stats["units"] == 3 and stats["units_stepped"] == 2 * 3 + 2  # blocks[0] runs twice: the worker's
+    for k in ref:
+        if k != "calls":
+            torch.testing.assert_close(got[k].cpu(), ref[k].cpu(), rtol=1e-5, atol=1e-6)
+    for i, s in ref_state["state"].items():
+        for key in s:
+            torch.testing.assert_close(state["state"][i][key].cpu(), s[key].cpu(), rtol=1e-5, atol=1e-6)
+
+
 def _nccl_worker(rank, init_file, out_dir, optimizer_offload):
     import os
 

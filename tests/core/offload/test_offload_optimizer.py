@@ -312,7 +312,7 @@ def test_lora_adapters_step_on_the_host_bitwise_like_plain_lora():
 
 
 def _device_share_run(share: float | None, steps: int = 4, resume_at: int | None = None,
-                      reload_at: int | None = None, each_step=None):
+                      reload_at: int | None = None, each_step=None, keep_state: bool = False):
     """AdamW with a changing lr, the optimizer bound with ``device_step_share=share`` (None: no
     engine); ``resume_at``: stop there, rebuild model, engine and optimizer from their state dicts;
     ``reload_at``: there, load the optimizer's state back into the running engine, its moments
@@ -328,7 +328,7 @@ def _device_share_run(share: float | None, steps: int = 4, resume_at: int | None
         if opt_state is not None:
             opt.load_state_dict(opt_state)
         if mgr is not None:
-            mgr.bind_optimizer(opt, overlap_backward=True, device_step_share=share)
+            mgr.bind_optimizer(opt, overlap_backward=True, device_step_share=share, keep_device_state=keep_state)
         return model, mgr, opt
     model, mgr, opt = build()
     losses, stats = [], []
@@ -372,6 +372,31 @@ def test_steps_on_the_device_during_backward_are_bitwise_those_of_the_host(share
     # the first units in forward order; blocks[0] runs twice a forward, so the worker steps it
     assert stats["units"] == (2 if share < 1 else 5)
     assert stats["units_stepped"] == 4 * (stats["units"] - 1) and stats["late_state_in"] == 0
+
+
+@pytest.mark.parametrize("share", [0.5, 1.0])
+def test_device_steps_keeping_their_state_are_bitwise_those_of_the_host(share):
+    """``keep_device_state``: no page is laid out or copied, resume and reload still train alike
+    (a CPU run: the "device" is the host, so the state moves nowhere; the GPU test moves it)."""
+    ref = _device_share_run(None)
+    for got in (_device_share_run(share, keep_state=True), _device_share_run(share, resume_at=2, keep_state=True)):
+        _assert_same_training(ref, got)
+    _assert_same_training(_device_share_run(None, reload_at=2), _device_share_run(share, reload_at=2, keep_state=True))
+    pages = []
+    run = _device_share_run(share, keep_state=True, each_step=lambda m, mgr, o, s: pages.append(len(mgr.device_steps.pages)))
+    stats = run[3][0]
+    assert stats["units"] == (2 if share < 1 else 5) and stats["units_stepped"] == 4 * (stats["units"] - 1)
+    assert pages == [0] * 4 and stats["h2d_bytes"] == 0  # no page, nothing paged in
+    weights = sum(p.nbytes for p in _model().blocks[1:stats["units"]].parameters())
+    assert stats["d2h_bytes"] == 4 * weights  # the new weights out, nothing else
+
+
+def test_keep_device_state_needs_device_steps():
+    mgr = OffloadTrainingManager(_model(), "cpu", enable_optimizer_cpu_offload=True)
+    opt = torch.optim.AdamW(mgr.model.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match="keep_device_state"):
+        mgr.bind_optimizer(opt, overlap_backward=True, keep_device_state=True)
+    mgr.detach()
 
 
 def _run_block_1_again(model) -> None:
