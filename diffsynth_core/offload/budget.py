@@ -20,6 +20,12 @@ for the same bytes saved) and widened into a slot at each use like a streamed on
 crossing PCIe; only when every unit fits that way does the rest of the budget keep some of them
 widened (no widening, no slot).  The same replay, run on the final plan, gives the planned bytes
 per step that ``report()`` sets beside the measured ones.
+
+Units with trainable weights stepping on the host (optimizer offload) are never kept resident: their
+weights change with every step.  What the budget leaves after the resident units buys more slots
+instead (``slot_bytes`` each): with ``n`` slots the ring still holds the forward's last ``n``
+units when backward starts, so each slot more keeps one more unit across that turn: one copy a
+step instead of two.
 """
 
 from __future__ import annotations
@@ -99,6 +105,7 @@ class ByteBudget:
     planned_bytes: int  # host->device bytes per step once planned
     streamed_bytes: int  # the same with every unit streamed (what residency saves from)
     compact: list[Unit] = field(default_factory=list)  # kept on the device as stored (fp8), widened per use
+    extra_slots: int = 0  # slots to add, to keep more streamed units across the forward->backward turn
 
 
 def device_cost(u: Unit) -> int:
@@ -107,8 +114,9 @@ def device_cost(u: Unit) -> int:
     return u.host_bytes if u.casts else u.dev_bytes
 
 
-def plan_residency(units: list[Unit], uses: list[int], n_slots: int, room: int) -> ByteBudget:
-    """Fill ``room`` device bytes with the units whose residency saves the most copied bytes."""
+def plan_residency(units: list[Unit], uses: list[int], n_slots: int, room: int, slot_bytes: int = 0) -> ByteBudget:
+    """Fill ``room`` device bytes with the units whose residency saves the most copied bytes, then
+    what is left with slots of ``slot_bytes`` (0: add none) while they keep more units across the turn."""
     by_index = {u.index: u for u in units}
     used = set(uses)
     order = [i for i in forward_order(uses) if i in by_index] + [u.index for u in units if u.index not in used]
@@ -119,7 +127,7 @@ def plan_residency(units: list[Unit], uses: list[int], n_slots: int, room: int) 
 
     def planned_bytes(kept: set[int], on_device: set[int] = frozenset()) -> int:
         """Host->device bytes a step with ``kept`` resident; ``on_device`` (compact) units pass through
-        the slots without a copy."""
+        the slots without a copy.  (``n_slots`` is read when called: slots added below count.)"""
         after = simulate_loads(uses, [i for i in order if i not in kept], n_slots, keep_across)
         return sum(n * by_index[i].host_bytes for i, n in after.items() if i not in on_device)
 
@@ -150,9 +158,14 @@ def plan_residency(units: list[Unit], uses: list[int], n_slots: int, room: int) 
         compact = [u for u in compact if u not in widened]
     resident = sorted((u for u in chosen if u not in compact), key=lambda u: position[u.index])
     compact.sort(key=lambda u: position[u.index])
+    kept, on_device = {u.index for u in resident}, {u.index for u in compact}
+    left = whole_room - sum(u.dev_bytes for u in resident) - sum(u.host_bytes for u in compact)
+    slotted = sum(1 for u in units if u.index not in kept and u.dev_bytes > 0)  # pass through the slots
+    extra = min(max(0, slotted - n_slots), left // slot_bytes) if slot_bytes > 0 else 0
+    n_slots += extra
     # compact units still pass through the slots, widened from their device copy: nothing crosses PCIe
-    return ByteBudget(resident, planned_bytes({u.index for u in resident}, {u.index for u in compact}),
-                      sum(n * by_index[i].host_bytes for i, n in loads.items()), compact)
+    return ByteBudget(resident, planned_bytes(kept, on_device),
+                      sum(n * by_index[i].host_bytes for i, n in loads.items()), compact, extra)
 
 
 def _back_to_back(uses: list[int], kept: set[int], by_index: dict[int, Unit]) -> int:

@@ -123,7 +123,8 @@ class OffloadTrainingManager:
             # them resident (budget.py), only cap the peak.  Said once, not left to be found in the speed.
             warnings.warn("offload: every block holds trainable weights kept on the host "
                           "(enable_optimizer_cpu_offload), so offload.vram_budget_gb keeps none resident: "
-                          "every block streams, and the budget only caps the peak", RuntimeWarning, stacklevel=2)
+                          "every block streams; what the budget leaves holds blocks from their forward to "
+                          "their backward (one copy a step instead of two)", RuntimeWarning, stacklevel=2)
         self.plan.move_resident()
         pin = self.device.type == "cuda" if pin_memory is None else pin_memory
         self.arena = self._make_arena(pin, share_host_copy, host_arena_factory or HostArena)
@@ -291,13 +292,16 @@ class OffloadTrainingManager:
     def _plan_budget(self) -> None:
         """Second step starts: fill what the budget leaves with the units that save most bytes."""
         room = self.budget.room()
-        plan = plan_residency(self.plan.units, self._uses, len(self.streamer.slots), room)
+        slot_bytes = self.streamer.slot_bytes
+        plan = plan_residency(self.plan.units, self._uses, len(self.streamer.slots), room, slot_bytes)
         self.streamer.evict_all()
+        self.streamer.add_slots(plan.extra_slots)
         self.plan.set_budget(plan.resident, self.streamer, plan.compact)
         self._set_streamed()
         self.streamer.rehome([i for i in forward_order(self._uses) if i in self._streamed_ids])
         self._order, self._order_seen = [], set()
-        self.budget.planned_peak += sum(u.dev_bytes for u in plan.resident) + sum(u.host_bytes for u in plan.compact)
+        self.budget.planned_peak += (sum(u.dev_bytes for u in plan.resident) + sum(u.host_bytes for u in plan.compact)
+                                     + plan.extra_slots * slot_bytes)
         self._drop_hooks(plan.resident)
         self.stats["planned_h2d_bytes_per_step"] = plan.planned_bytes
         self._uses = None

@@ -78,6 +78,15 @@ class Streamer:
         self.stalls = 0  # uses that found their copy still in flight (telemetry, CUDA only)
         self.bytes = 0
 
+    @property
+    def slot_bytes(self) -> int:
+        return self.slots[0].buf.numel() if self.slots else 0
+
+    def add_slots(self, count: int) -> None:
+        """``count`` more slots (the budget's plan); homes are re-dealt by the next ``rehome``."""
+        self.slots += [Slot(len(self.slots), torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device))
+                       for _ in range(count if self.slots else 0)]
+
     # --- binding -----------------------------------------------------------------------------
     def bind_host(self, unit: Unit) -> None:
         for rec, master in zip(unit.tensors, self.masters[unit.index]):
