@@ -12,6 +12,8 @@ once at attach, because it may be read by code that fires no hook (a root ``forw
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 
 import torch
@@ -105,8 +107,10 @@ class Unit:
             host = align_up(host + self.escapes * 2)
         self.host_bytes, self.dev_bytes = host, dev
 
-    @property
+    @functools.cached_property
     def casts(self) -> bool:
+        """Some of its tensors are stored in another dtype (read at every load: computed once, as a
+        record's dtypes never change)."""
         return any(rec.needs_cast for rec in self.tensors)
 
     @property

@@ -55,7 +55,7 @@ def widen_rows(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> bool
 def launched(q: torch.Tensor, out: torch.Tensor, launch, what: str = "the one-pass fp8 widening") -> bool:
     """Run ``launch`` (a kernel widening ``q`` into ``out``) unless Triton is missing or cannot
     compile for this GPU and these dtypes; whether it ran.  ``what`` names the kernel in the warning."""
-    key = (torch.cuda.get_device_capability(q.device), q.dtype, out.dtype)
+    key = (_capability(q.device.index), q.dtype, out.dtype)
     if key in _unsupported or kernels() is None:
         return False
     try:
@@ -66,6 +66,12 @@ def launched(q: torch.Tensor, out: torch.Tensor, launch, what: str = "the one-pa
                       f"using PyTorch's eager code instead", RuntimeWarning, stacklevel=3)
         return False
     return True
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    """The device's compute capability, asked once: ``launched`` runs at every load."""
+    return torch.cuda.get_device_capability(index)
 
 
 class SegmentTable(NamedTuple):
