@@ -7,10 +7,12 @@ Qwen-Image 20 B step does: ``gpu_lag_ms`` in ``bench/results``), and then every 
 streamed block's hook takes is step time.  This measures that cost alone: a toy whose blocks hold
 32 tensors each, as a real-width Qwen-Image block does (16 Linear layers, LoRA on two), at a width
 where the GPU never makes the host wait, every block streamed, trained with checkpointing; per
-storage (bf16, ``packed_bfloat16``, fp8) the wall time inside the hook per use and the step time.
+storage (bf16, ``packed_bfloat16``, fp8) the wall time inside the hook per use and the step time,
+and for packed and fp8 again with their widenings launched eagerly instead of replayed as CUDA
+graphs (``graphs: false``).
 ``--profile`` adds cProfile's costliest offload functions of the packed run (cumulative seconds
-over the timed steps; cProfile slows every call, so compare them with each other, not with the
-unprofiled figures).  CUDA only.
+over the timed steps) and its costliest functions of any module by their own time (cProfile slows
+every call, so compare them with each other, not with the unprofiled figures).  CUDA only.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 from torch import nn
 
 from diffsynth_core.gradient import apply_gradient_checkpointing
-from diffsynth_core.offload import OffloadTrainingManager, packed
+from diffsynth_core.offload import OffloadTrainingManager, packed, widening
 from diffsynth_core.training.lora import inject_lora
 
 TENSORS_PER_BLOCK = 32  # a real-width Qwen-Image block: 14 Linear weights, 14 biases, 4 norm scales
@@ -54,7 +56,8 @@ class Stack(nn.Module):
         return x
 
 
-def measure(storage, d: int, n: int, steps: int, profile: bool) -> dict:
+def measure(storage, d: int, n: int, steps: int, profile: bool, graphs: bool = True) -> dict:
+    widening.GRAPHS = graphs  # False: widenings launched eagerly at every load, as before they were recorded
     torch.manual_seed(0)
     model = Stack(d, n).bfloat16()
     inject_lora(model, ["lins.0", "lins.5"], rank=4)
@@ -104,6 +107,8 @@ def measure(storage, d: int, n: int, steps: int, profile: bool) -> dict:
         rows = [(f"{Path(f).name}:{line}({fn})", ct) for (f, line, fn), (_, _, _, ct, _) in stats.stats.items()
                 if "offload" in f or "triton" in f]
         out["profile_cumulative_s"] = [[name, round(ct, 4)] for name, ct in sorted(rows, key=lambda r: -r[1])[:25]]
+        own = [(f"{Path(f).name}:{line}({fn})", tt) for (f, line, fn), (_, _, tt, _, _) in stats.stats.items()]
+        out["profile_own_s"] = [[name, round(tt, 4)] for name, tt in sorted(own, key=lambda r: -r[1])[:25]]
     return out
 
 
@@ -118,6 +123,8 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench.hook_cost needs a CUDA device")
     rows = [measure(s, a.width, a.blocks, a.steps, False) for s in (None, packed.PACKED, torch.float8_e4m3fn)]
+    rows += [dict(measure(s, a.width, a.blocks, a.steps, False, graphs=False), graphs=False)
+             for s in (packed.PACKED, torch.float8_e4m3fn)]
     if a.profile:
         rows.append(dict(measure(packed.PACKED, a.width, a.blocks, a.steps, True), profiled=True))
     doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "width": a.width,

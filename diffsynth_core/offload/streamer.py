@@ -69,7 +69,7 @@ class Streamer:
         self.home = {u.index: i % max(len(self.slots), 1) for i, u in enumerate(units)}
         # Units kept on the device as stored (fp8, chosen by the budget): widened from there.
         self.stored: dict[int, torch.Tensor] = {}
-        self.widening = {u.index: UnitWidening(u, device) for u in units if u.casts}
+        self.widening = {u.index: UnitWidening(u, device, graphs=True) for u in units if u.casts}
         if self.widen_stream is not None:  # the widenings' tables were just copied on this stream
             self.widen_stream.wait_stream(torch.cuda.current_stream(device))
         self.copies = 0  # host->device copies

@@ -15,9 +15,18 @@ step time.  So a unit is widened in two moves:
 
 Whatever the kernel does not cover (no Triton, a CPU target, another cast) is widened tensor by
 tensor, as ``quant.dequantize_rows`` defines it; every path gives the same bits.
+
+Even those few launches cost the host ~0.15-0.3 ms a load in Python (views, Triton's launcher), and
+an eager offloaded step is host-bound (``bench.hook_cost``).  So a streamer's widening (``graphs``)
+is recorded as a CUDA graph per (source, destination) buffer pair, a staging buffer or device copy
+into a slot, which are the same few buffers all run long, and replayed from then on: one call.
+The first run is eager (it compiles the kernels and shows they all apply: only then is one
+recorded); the graph reads the buffers at their addresses, whatever they hold when it replays.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -28,13 +37,19 @@ from .quant import dequantize_rows
 from .units import TensorRecord, Unit
 
 SEGMENTS = 64  # tensors per batched launch (the kernel's table grows with it)
+GRAPHS = True  # False: streamers' widenings are never recorded as CUDA graphs (``bench.hook_cost`` compares)
+_SEEN = object()  # a (source, destination) pair widened once, eagerly, by kernels alone
+_graphs_failed: list[str] = []  # why recording failed once: from then on nothing is recorded
 
 
 class UnitWidening:
     """How one unit's stored bytes become its compute layout: planned once, run at every load."""
 
-    def __init__(self, unit: Unit, device: torch.device):
+    def __init__(self, unit: Unit, device: torch.device, graphs: bool = False):
+        """``graphs``: record and replay CUDA graphs (a streamer's, whose widenings run on a side
+        stream: a graph cannot be recorded on the default one)."""
         self.unit = unit
+        self.graphs: dict[tuple[int, int], object] | None = {} if graphs and device.type == "cuda" else None
         self.plain = sum(not rec.needs_cast for rec in unit.tensors)  # they lead (Unit.layout)
         self.groups: list[tuple[torch.dtype, torch.dtype, set[int], tuple]] = []
         self.packed_groups: list[tuple] = []  # tables of ``packed_cuda.unpack_segments``
@@ -62,6 +77,39 @@ class UnitWidening:
     def run(self, src: torch.Tensor, dst: torch.Tensor, views: list[torch.Tensor]) -> None:
         """Widen from ``src`` (uint8, the unit's stored layout from its start) into ``dst`` (uint8, the
         compute layout from its start), whose per-tensor views are ``views``."""
+        if self.graphs is None or not GRAPHS or _graphs_failed:
+            self._launch(src, dst, views)
+            return
+        key = (src.data_ptr(), dst.data_ptr())
+        graph = self.graphs.get(key)
+        if graph is _SEEN:
+            graph = self.graphs[key] = self._record(src, dst, views)
+        if graph is None:  # first time, or not recordable: eagerly
+            if self._launch(src, dst, views):
+                self.graphs[key] = _SEEN
+            return
+        graph.replay()
+
+    def _record(self, src: torch.Tensor, dst: torch.Tensor, views: list[torch.Tensor]):
+        """The widening of ``src`` into ``dst`` recorded as a CUDA graph on the current stream (nothing
+        runs yet); ``None`` if recording fails, after which nothing is recorded again."""
+        graph = torch.cuda.CUDAGraph()
+        try:
+            # thread_local: other threads (the loop's batch prefetch) may use CUDA meanwhile
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                self._launch(src, dst, views)
+            finally:
+                graph.capture_end()
+        except Exception as err:  # noqa: BLE001 - the eager widening is always there
+            _graphs_failed.append(f"{type(err).__name__}: {err}")
+            warnings.warn(f"offload: recording the widening as a CUDA graph failed ({type(err).__name__}); "
+                          "widening eagerly from now on", RuntimeWarning, stacklevel=2)
+            return None
+        return graph
+
+    def _launch(self, src: torch.Tensor, dst: torch.Tensor, views: list[torch.Tensor]) -> bool:
+        """The widening, launched; whether kernels widened every tensor (no tensor by tensor)."""
         plain_bytes = self.unit.plain_bytes
         if plain_bytes:
             dst.narrow(0, 0, plain_bytes).copy_(src.narrow(0, 0, plain_bytes))
@@ -73,9 +121,12 @@ class UnitWidening:
                                        for table in self.packed_groups]):
             packed.patch(_flat(dst, torch.int16), *escape_views(src, self.unit, start=0))
             done |= {id(rec) for rec in self.unit.tensors if rec.packed}
+        by_kernels = True
         for rec, view in zip(self.unit.tensors[self.plain:], views[self.plain:]):
             if id(rec) not in done:
                 widen_one(self.unit, rec, src, view)
+                by_kernels = False
+        return by_kernels
 
 
 def _flat(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -37,12 +37,16 @@ class Even(nn.Module):
         self.b = nn.Linear(16, 4096, bias=False)
 
 
-def _plan(seed: int = 0, block=Mixed):
+def _model(seed: int = 0, block=Mixed) -> nn.Module:
     torch.manual_seed(seed)
     model = nn.Sequential(block(), block()).to(torch.bfloat16).requires_grad_(False)
     for p in model.parameters():  # rows spanning many binades, as fp8 row scales must survive
         p.data *= torch.logspace(-6, 1, p.shape[0]).view(-1, *[1] * (p.dim() - 1)).to(p.dtype)
-    return build_plan(model, torch.device("cpu"), "block", None, False, FP8)
+    return model
+
+
+def _plan(seed: int = 0, block=Mixed):
+    return build_plan(_model(seed, block), torch.device("cpu"), "block", None, False, FP8)
 
 
 def test_tensors_stored_as_computed_lead_both_layouts_at_the_same_offsets():
@@ -131,3 +135,43 @@ def test_a_kernel_that_does_not_compile_falls_back_to_the_eager_widening_with_on
     _, eager = _widened(unit, src, cuda, one_by_one=True)
     for rec, a, b, c in zip(unit.tensors, fallback, again, eager):
         assert torch.equal(a.view(torch.int16), c.view(torch.int16)) and torch.equal(b.view(torch.int16), c.view(torch.int16)), rec.shape
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("storage", [FP8, "packed_bfloat16"])
+def test_a_streamers_widening_replays_as_a_cuda_graph_over_what_its_buffers_hold_now(storage):
+    """A streamer's widening (``graphs=True``) runs eagerly once per (source, destination) pair,
+    is recorded at the second run and replayed after: the same bits as the eager widening every
+    time, of whatever the source holds then (fp8: another model's bytes of the same layout), into a
+    destination cleared in between; a new destination starts over eagerly."""
+    cuda = torch.device("cuda")
+    plans = [build_plan(_model(seed, Even), torch.device("cpu"), "block", None, False, storage) for seed in (0, 1)]
+    unit = plans[0].units[0]
+    stored = [_stored_bytes(plan).to(cuda) for plan in plans]
+    if storage != FP8:  # packed: the escape table's size follows the values; one model's bytes
+        stored[1] = stored[0]
+    expected = []
+    for data in stored:
+        dst = torch.zeros(unit.dev_bytes, dtype=torch.uint8, device=cuda)
+        widen_each(unit, data, [typed_view(dst, r.dev_offset, r.compute_dtype, r.shape) for r in unit.tensors])
+        expected.append(dst)
+    batched = UnitWidening(unit, cuda, graphs=True)
+    src = torch.empty_like(stored[0])
+    dsts = [torch.empty(unit.dev_bytes, dtype=torch.uint8, device=cuda) for _ in range(2)]
+    got, kinds = [], []
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for which, d in ((0, 0), (0, 0), (1, 0), (0, 0), (1, 1), (0, 1), (1, 1)):
+            src.copy_(stored[which])
+            dst = dsts[d]
+            dst.zero_()
+            batched.run(src, dst, [typed_view(dst, r.dev_offset, r.compute_dtype, r.shape) for r in unit.tensors])
+            got.append((which, dst.clone()))
+            kinds.append(type(batched.graphs[(src.data_ptr(), dst.data_ptr())]).__name__)
+    torch.cuda.synchronize()
+    assert kinds == ["object", "CUDAGraph", "CUDAGraph", "CUDAGraph", "object", "CUDAGraph", "CUDAGraph"]
+    for which, out in got:
+        assert torch.equal(out, expected[which])
+
