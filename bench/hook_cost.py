@@ -9,7 +9,8 @@ streamed block's hook takes is step time.  This measures that cost alone: a toy 
 where the GPU never makes the host wait, every block streamed, trained with checkpointing; per
 storage (bf16, ``packed_bfloat16``, fp8) the wall time inside the hook per use and the step time,
 and for packed and fp8 again with their widenings launched eagerly instead of replayed as CUDA
-graphs (``graphs: false``).
+graphs (``graphs: false``; the streamer records packed units' widenings only, so fp8's two rows now
+differ by nothing).
 ``--profile`` adds cProfile's costliest offload functions of the packed run (cumulative seconds
 over the timed steps) and its costliest functions of any module by their own time (cProfile slows
 every call, so compare them with each other, not with the unprofiled figures).  CUDA only.

@@ -173,5 +173,12 @@ def test_a_streamers_widening_replays_as_a_cuda_graph_over_what_its_buffers_hold
     torch.cuda.synchronize()
     assert kinds == ["object", "CUDAGraph", "CUDAGraph", "CUDAGraph", "object", "CUDAGraph", "CUDAGraph"]
     for which, out in got:
-        assert torch.equal(out, expected[which])
+        # every tensor as the eager widening gives it (not the padding between tensors: the batched
+        # copy of the leading plain tensors brings the source's padding along, which nothing reads)
+        for rec in unit.tensors:
+            n = rec.numel * rec.compute_dtype.itemsize
+            assert torch.equal(out[rec.dev_offset:rec.dev_offset + n],
+                               expected[which][rec.dev_offset:rec.dev_offset + n]), rec.shape
+        # a replay writes what the eager first run wrote, padding included
+        assert torch.equal(out, next(first for w, first in got if w == which))
 
