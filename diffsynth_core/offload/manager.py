@@ -120,7 +120,8 @@ class OffloadTrainingManager:
         self.budget = BudgetTracker(budget, self.device, self.plan.fixed_bytes(n_slots)) if budget > 0 else None
         if self.budget is not None and self.plan.units and all(u.trainable for u in self.plan.units):
             # Their weights step on the host and come back with each load: a budget can keep none of
-            # them resident (budget.py), only cap the peak.  Said once, not left to be found in the speed.
+            # them resident (budget.py), only buy slots that hold them across the turn.  Said once,
+            # not left to be found in the speed.
             warnings.warn("offload: every block holds trainable weights kept on the host "
                           "(enable_optimizer_cpu_offload), so offload.vram_budget_gb keeps none resident: "
                           "every block streams; what the budget leaves holds blocks from their forward to "
