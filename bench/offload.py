@@ -25,8 +25,11 @@ allocator, pinned memory or RNG state, and ratios are taken between rows of one 
   offload but AdamW's state kept on the host and paged in during backward, the step on the GPU
   (``gpu_step_in_backward``: weights resident, so a higher GPU peak); and the bound, overlapped
   optimizer with the first 20-50 % of the weights stepped on the GPU during backward
-  (``bound_overlap_backward_device_*``, ``device_steps``).  20 steps after 3 of warm-up, every queued
-  host step and GPU kernel drained at the end of the timed period.
+  (``bound_overlap_backward_device_*``, ``device_steps``), their state paged through the host or
+  kept on the GPU (``_kept``: ``keep_device_state``); ``_held``: a slot per block (``prefetch=9``,
+  each block copied once a step); ``_budget_Xgib``: the slots a GPU memory budget buys instead.
+  ``--optim-rows`` picks rows (all_gpu and cpu_adamw_alone always run).  20 steps after 3 of
+  warm-up, every queued host step and GPU kernel drained at the end of the timed period.
 
 * ``widen``: widening one real-width Qwen-Image block's weights (340 M, fp8 with per-row scales)
   to bf16 on the GPU: PyTorch's eager two passes against the one-pass Triton kernel the engine
