@@ -859,8 +859,9 @@ def optim_worker(a) -> dict:
         out["timeline_ms"] = [[what, unit, round((t0 - t_first) * 1e3, 2), round((t1 - t_first) * 1e3, 2)]
                               for what, unit, t0, t1 in sorted(trace, key=lambda t: t[2])]
     if mgr is not None:
-        out["stalls"], out["slots"] = mgr.report()["stalls"], mgr.report()["slots"]
-        out["weights_h2d_gb_per_step"] = (mgr.report()["h2d_bytes"] - h2d_before) / steps / GB
+        report = mgr.report()
+        out.update(stalls=report["stalls"], slots=report["slots"],
+                   weights_h2d_gb_per_step=(report["h2d_bytes"] - h2d_before) / steps / GB)
         mgr.detach()
     if pager is not None:
         # every step but the first, which makes the state, copies it all in
@@ -905,7 +906,11 @@ OPTIM_ROWS = {  # row -> (mode, extra worker args)
 
 
 def case_optim(a) -> dict:
-    rows = {row: OPTIM_ROWS[row] for row in (a.optim_rows.split(",") if a.optim_rows else OPTIM_ROWS)}
+    picked = a.optim_rows.split(",") if a.optim_rows else list(OPTIM_ROWS)
+    unknown = [row for row in picked if row not in OPTIM_ROWS]
+    if unknown:
+        raise SystemExit(f"bench.offload: unknown --optim-rows {', '.join(unknown)}; rows: {', '.join(OPTIM_ROWS)}")
+    rows = {row: OPTIM_ROWS[row] for row in picked}
     rows = {"all_gpu": OPTIM_ROWS["all_gpu"], "cpu_adamw_alone": OPTIM_ROWS["cpu_adamw_alone"], **rows}
     res = {row: _spawn(["--worker", "optim", "--mode", mode, *extra], 200) for row, (mode, extra) in rows.items()}
     if all("step_s" in res[row] for row in ("all_gpu", "cpu_adamw_alone")):  # a failed row leaves the rest

@@ -32,6 +32,9 @@ def resolve_device(name: str, key: str = "device") -> torch.device:
     return device
 
 
+_joined_group = False  # init_distributed joined a process group in this process (destroyed or not)
+
+
 def init_distributed(device: torch.device) -> torch.device:
     """Join the process group a launcher (torchrun) describes in the environment, if any.
 
@@ -48,9 +51,6 @@ def init_distributed(device: torch.device) -> torch.device:
     global _joined_group
     _joined_group = True
     return device
-
-
-_joined_group = False  # init_distributed joined a process group in this process (destroyed or not)
 
 
 def joined_process_group() -> bool:

@@ -125,10 +125,10 @@ def plan_residency(units: list[Unit], uses: list[int], n_slots: int, room: int, 
     keep_across = {u.index for u in candidates}
     loads = simulate_loads(uses, order, n_slots, keep_across)
 
-    def planned_bytes(kept: set[int], on_device: set[int] = frozenset()) -> int:
-        """Host->device bytes a step with ``kept`` resident; ``on_device`` (compact) units pass through
-        the slots without a copy.  (``n_slots`` is read when called: slots added below count.)"""
-        after = simulate_loads(uses, [i for i in order if i not in kept], n_slots, keep_across)
+    def planned_bytes(kept: set[int], on_device: set[int] = frozenset(), slots: int = n_slots) -> int:
+        """Host->device bytes a step with ``kept`` resident and ``slots`` slots; ``on_device``
+        (compact) units pass through the slots without a copy."""
+        after = simulate_loads(uses, [i for i in order if i not in kept], slots, keep_across)
         return sum(n * by_index[i].host_bytes for i, n in after.items() if i not in on_device)
 
     # Copied bytes saved per device byte spent; among equals, a unit that needs no widening wins.
@@ -162,9 +162,8 @@ def plan_residency(units: list[Unit], uses: list[int], n_slots: int, room: int, 
     left = whole_room - sum(u.dev_bytes for u in resident) - sum(u.host_bytes for u in compact)
     slotted = sum(1 for u in units if u.index not in kept and u.dev_bytes > 0)  # pass through the slots
     extra = min(max(0, slotted - n_slots), left // slot_bytes) if slot_bytes > 0 else 0
-    n_slots += extra
     # compact units still pass through the slots, widened from their device copy: nothing crosses PCIe
-    return ByteBudget(resident, planned_bytes(kept, on_device),
+    return ByteBudget(resident, planned_bytes(kept, on_device, n_slots + extra),
                       sum(n * by_index[i].host_bytes for i, n in loads.items()), compact, extra)
 
 

@@ -13,7 +13,6 @@ once at attach, because it may be read by code that fires no hook (a root ``forw
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass, field
 
 import torch
