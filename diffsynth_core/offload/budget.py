@@ -252,6 +252,11 @@ class BudgetTracker:
 
     def too_small(self, need: int, what: str) -> InputError:
         return InputError(
-            f"offload.vram_budget_gb = {self.budget / GIB:.2f} GiB cannot hold {what}: that needs "
-            f"{need / GIB:.2f} GiB plus {self.margin / GIB:.2f} GiB of margin; raise the budget "
+            f"offload.vram_budget_gb = {_size(self.budget)} cannot hold {what}: that needs "
+            f"{_size(need)} plus {_size(self.margin)} of margin; raise the budget "
             f"or lower the resolution, batch or prefetch")
+
+
+def _size(nbytes: int) -> str:
+    """GiB with two decimals, or MiB below 0.1 GiB (a tiny model's needs would all read 0.00 GiB)."""
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB / 10 else f"{nbytes / 2**20:.1f} MiB"
