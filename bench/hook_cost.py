@@ -8,8 +8,8 @@ streamed block's hook takes is step time.  This measures that cost alone: a toy 
 32 tensors each, as a real-width Qwen-Image block does (16 Linear layers, LoRA on two), at a width
 where the GPU never makes the host wait, every block streamed, trained with checkpointing; per
 storage (bf16, ``packed_bfloat16``, fp8) the wall time inside the hook per use and the step time,
-and for packed again with its widenings launched eagerly instead of replayed as CUDA graphs
-(``graphs: false``; the streamer records packed units' widenings only).
+and for packed and fp8 again with their widenings launched eagerly instead of replayed as CUDA graphs
+(``graphs: false``; packed and fp8 alike).
 ``--profile`` adds cProfile's costliest offload functions of the packed run (cumulative seconds
 over the timed steps) and its costliest functions of any module by their own time (cProfile slows
 every call, so compare them with each other, not with the unprofiled figures).  CUDA only.
@@ -123,7 +123,8 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench.hook_cost needs a CUDA device")
     rows = [measure(s, a.width, a.blocks, a.steps, False) for s in (None, packed.PACKED, torch.float8_e4m3fn)]
-    rows.append(dict(measure(packed.PACKED, a.width, a.blocks, a.steps, False, graphs=False), graphs=False))
+    rows += [dict(measure(s, a.width, a.blocks, a.steps, False, graphs=False), graphs=False)
+             for s in (packed.PACKED, torch.float8_e4m3fn)]
     if a.profile:
         rows.append(dict(measure(packed.PACKED, a.width, a.blocks, a.steps, True), profiled=True))
     doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "width": a.width,

@@ -69,10 +69,8 @@ class Streamer:
         self.home = {u.index: i % max(len(self.slots), 1) for i, u in enumerate(units)}
         # Units kept on the device as stored (fp8, chosen by the budget): widened from there.
         self.stored: dict[int, torch.Tensor] = {}
-        # Recorded as CUDA graphs (widening.py): packed units; fp8 ones once their GPU test has passed
-        # with the recording (its first run compared padding bytes, which nothing reads, and failed)
-        self.widening = {u.index: UnitWidening(u, device, graphs=any(r.packed for r in u.tensors))
-                         for u in units if u.casts}
+        # Recorded as CUDA graphs (widening.py): packed and fp8 units alike
+        self.widening = {u.index: UnitWidening(u, device, graphs=True) for u in units if u.casts}
         if self.widen_stream is not None:  # the widenings' tables were just copied on this stream
             self.widen_stream.wait_stream(torch.cuda.current_stream(device))
         self.copies = 0  # host->device copies

@@ -17,8 +17,8 @@ Whatever the kernel does not cover (no Triton, a CPU target, another cast) is wi
 tensor, as ``quant.dequantize_rows`` defines it; every path gives the same bits.
 
 Even those few launches cost the host ~0.15-0.3 ms a load in Python (views, Triton's launcher), and
-an eager offloaded step is host-bound (``bench.hook_cost``).  So a streamer's widening of a packed
-unit (``graphs``; fp8 units not yet, see ``streamer``) is recorded as a CUDA graph per (source,
+an eager offloaded step is host-bound (``bench.hook_cost``).  So a streamer's widening of a unit
+(``graphs``; packed and fp8 alike) is recorded as a CUDA graph per (source,
 destination) buffer pair, a staging buffer or device copy into a slot, which are the same few
 buffers all run long, and replayed from then on: one call.
 The first run is eager (it compiles the kernels and shows they all apply: only then is one
