@@ -258,6 +258,24 @@ def test_a_diverging_run_stops_and_writes_nothing_non_finite(cached, capsys, tmp
         assert all(torch.isfinite(t).all() for t in load_file(str(path)).values()), path
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+@pytest.mark.parametrize("optimizer_offload", [False, True])
+def test_a_budget_too_small_exits_2_in_one_line_from_its_own_process(cached, tmp_path, device, optimizer_offload):
+    """As a user runs it: its own process (a C++ thread left joinable at exit would print "terminate
+    called" after the message, and only a process's exit shows that), nothing written."""
+    out = tmp_path / "out"
+    sets = [f"output.path={out}", f"train.device={device}", "offload.enable_model_cpu_offload=true",
+            f"offload.enable_optimizer_cpu_offload={str(optimizer_offload).lower()}", "offload.vram_budget_gb=0.00001"]
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "train", str(cached / "config.toml"), "--in-process",
+                           *[arg for key in sets for arg in ("--set", key)]],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    line = _assert_one_line(proc.returncode, proc.stderr, 2, "offload.vram_budget_gb = 0.0 MiB cannot hold",
+                            "raise the budget")
+    assert "terminate called" not in proc.stderr, line
+    assert not (out / "lora.safetensors").exists() and not list(out.glob("checkpoints/step-*"))
+
+
 # Runs inside a private mount namespace (unshare -m), so the tmpfs mounts vanish with the process even
 # if the test is killed.  argv: config, cache, read-only folder, two small folders.  Prints one JSON object.
 NAMESPACE_DRIVER = r"""
