@@ -10,6 +10,10 @@ engine (attached, planned, timed, detached), and again, ``--pairs`` times, in th
 steady drift cancels; each pair gives a ratio of medians.  Prints one JSON document: the pairs,
 the median of their ratios, the ratio of the pooled medians, and each side's peak.
 ``side_by_side --interleave MODE`` computes the budget and calls this.
+
+Diagnoses of where a row's time goes (``--mode``): ``resident_copies[_gated]`` (the bytes alone,
+beside resident compute), a row + ``_nocopy`` (its schedule without its copies) and + ``_timed``
+(its copies' rates, and how long compute waited for each).
 """
 
 from __future__ import annotations
@@ -25,11 +29,14 @@ from bench.dit_stack import LORA_INPUTS, SIZES, build, stack_step, timed_steps
 from bench.side_by_side import engine_options
 
 
-def copies_beside_compute(model, device, nbytes: int) -> list:
+def copies_beside_compute(model, device, nbytes: int, gated: bool = False) -> list:
     """``resident_copies``: a host->device copy of ``nbytes`` (one streamed block's) on a side stream
     at every other block's forward and recompute, into a buffer compute never reads, so compute
     never waits for one.  What moving a 12-of-24 step's bytes costs the compute beside it (copy
-    engine, memory traffic), apart from any engine's scheduling."""
+    engine, memory traffic), apart from any engine's scheduling.  ``gated``
+    (``resident_copies_gated``): each copy starts only once the compute queued before its hook has
+    run, as the engine's copies wait for their slot; otherwise they start as soon as the host,
+    running ahead of the GPU, issues them."""
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
     scratch = torch.empty(nbytes, dtype=torch.uint8, device=device)
     side = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -38,9 +45,83 @@ def copies_beside_compute(model, device, nbytes: int) -> list:
         if side is None:
             scratch.copy_(host)
             return
+        if gated:
+            side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             scratch.copy_(host, non_blocking=True)
     return [block.register_forward_pre_hook(copy) for block in model.blocks[1::2]]
+
+
+def skip_repeat_copies(streamer) -> None:
+    """``_nocopy`` rows (a diagnosis, wrong weights): each unit's first copy into a slot lands as
+    usual, every later one is skipped (its events still ordered as a copy's would be), so the slot
+    keeps real weights of that unit and the step runs the engine's whole schedule (hooks, pointer
+    swaps, event waits) without its host->device bytes."""
+    copy, landed = streamer._copy, set()
+
+    def first_copy_only(unit, buf, views, after=()):
+        key = (unit.index, buf.data_ptr())
+        if key not in landed or not streamer.cuda or unit.casts:
+            landed.add(key)
+            return copy(unit, buf, views, after)
+        with torch.cuda.stream(streamer.copy_stream):
+            for event in after:
+                streamer.copy_stream.wait_event(event)
+            return streamer.copy_stream.record_event()
+    streamer._copy = first_copy_only
+
+
+class CopyWaits:
+    """``_timed`` rows (a diagnosis): per host->device weight copy of the engine, when it ran on the
+    copy stream and how long the compute stream sat waiting for it (from reaching the wait to the
+    copy's end, on the GPU's clock), by the phase of the use that waited (F, R, B)."""
+
+    def __init__(self, mgr):
+        self.mgr, self.streamer = mgr, mgr.streamer
+        self.phase, self.copies, self.waits = "F", {}, []
+        copy, wait, use = self.streamer._copy, self.streamer.wait_ready, mgr._use
+        timed = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+
+        def timed_copy(unit, buf, views, after=()):
+            if unit.casts or unit.index in self.streamer.stored:
+                return copy(unit, buf, views, after)
+            stream = self.streamer.copy_stream
+            with torch.cuda.stream(stream):
+                for event in after:
+                    stream.wait_event(event)
+                start, end = timed(), timed()
+                start.record(stream)
+                buf.narrow(0, 0, unit.host_bytes).copy_(self.streamer.arena.region(unit.host_offset, unit.host_bytes),
+                                                        non_blocking=True)
+                end.record(stream)
+            self.copies[unit.index] = (start, end, unit.host_bytes, self.mgr.stats["steps"])
+            return end
+
+        def timed_wait(unit):
+            copied = self.copies.pop(unit.index, None)
+            if copied is not None and unit.index in self.streamer.ready:
+                reached = timed()
+                reached.record()
+                self.waits.append((self.phase, reached, *copied))
+            return wait(unit)
+
+        def phased_use(unit, phase):
+            self.phase = phase
+            return use(unit, phase)
+        self.streamer._copy, self.streamer.wait_ready, mgr._use = timed_copy, timed_wait, phased_use
+
+    def summary(self, from_step: int) -> dict:
+        torch.cuda.synchronize()
+        rows = [w for w in self.waits if w[-1] >= from_step]
+        steps = len({w[-1] for w in rows}) or 1
+        waited = {p: 0.0 for p in "FRB"}
+        for phase, reached, _, end, _, _ in rows:
+            waited[phase] += max(0.0, reached.elapsed_time(end))
+        rates = sorted(n / (start.elapsed_time(end) / 1e3) / 1e9 for _, _, start, end, n, _ in rows)
+        return {"copy_gb_s_median": rates[len(rates) // 2] if rates else None,
+                "copy_gb_s_min": rates[0] if rates else None,
+                "waited_ms_per_step": {p: round(ms / steps, 3) for p, ms in waited.items()},
+                "copies_per_step": len(rows) / steps}
 
 
 @contextlib.contextmanager
@@ -53,16 +134,26 @@ def side(model, device, mode: str, args):
 
     apply_gradient_checkpointing(model, ("blocks",), offload_activations="_act" in mode)
     mgr, hooks = None, []
-    if mode == "resident_copies":
-        hooks = copies_beside_compute(model, device, int(args.copy_gib * 2**30))
+    if mode.startswith("resident_copies"):
+        hooks = copies_beside_compute(model, device, int(args.copy_gib * 2**30), gated=mode.endswith("_gated"))
     elif not mode.startswith("resident"):  # resident_act: resident, block inputs offloaded
         mgr = OffloadTrainingManager(model, device, block_container_names=("blocks",),
-                                     **engine_options(mode, args.size, args.budget_gib))
+                                     **engine_options(mode.removesuffix("_nocopy").removesuffix("_timed"), args.size,
+                                                     args.budget_gib))
+        if mode.endswith("_nocopy"):
+            skip_repeat_copies(mgr.streamer)
+        if mode.endswith("_timed") and device.type == "cuda":
+            mgr.copy_waits = CopyWaits(mgr)
     try:
         yield mgr
     finally:
         if mgr is not None:
+            streamer = mgr.streamer
             mgr.detach()
+            # the diagnoses' wrappers close over the manager: drop them, or its slots outlive it
+            for obj, names in ((streamer, ("_copy", "wait_ready")), (mgr, ("_use", "copy_waits"))):
+                for name in names:
+                    obj.__dict__.pop(name, None)
         for hook in hooks:
             hook.remove()
         remove_gradient_checkpointing(model, ("blocks",))
@@ -80,13 +171,17 @@ def segment(model, x, opt, device, mode: str, args) -> dict:
             out.update(resident_units=rep["budget_units"], stalls=rep["stalls"],
                        resident_at=sorted(u.index for u in mgr.plan.budget),
                        h2d_gb_per_step=rep["last_step_h2d_bytes"] / 1e9)
+            if hasattr(mgr, "copy_waits"):
+                out["copy_waits"] = mgr.copy_waits.summary(from_step=args.warmup)
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", required=True, help="one of side_by_side's rows without host optimizer or state, "
-                    "or resident_copies (resident, with --copy-gib copied beside every other block)")
+                    "or resident_copies[_gated] (resident, with --copy-gib copied beside every other block); "
+                    "a row + _nocopy: its schedule without repeated copies (skip_repeat_copies); "
+                    "+ _timed: its copies' rates and the compute's waits for them (CopyWaits)")
     ap.add_argument("--copy-gib", type=float, default=0.0, help="resident_copies: GiB per copy")
     ap.add_argument("--pairs", type=int, default=6)
     ap.add_argument("--size", choices=sorted(SIZES), default="full")
