@@ -11,9 +11,10 @@ steady drift cancels; each pair gives a ratio of medians.  Prints one JSON docum
 the median of their ratios, the ratio of the pooled medians, and each side's peak.
 ``side_by_side --interleave MODE`` computes the budget and calls this.
 
-Diagnoses of where a row's time goes (``--mode``): ``resident_copies[_gated]`` (the bytes alone,
-beside resident compute), a row + ``_nocopy`` (its schedule without its copies) and + ``_timed``
-(its copies' rates, and how long compute waited for each).
+Diagnoses of where a row's time goes (``--mode``): ``resident_copies[_gated][_arena]`` (the bytes
+alone, beside resident compute), a row + ``_nocopy`` (its schedule without its copies), +
+``_samecopy`` (its copies, bringing bytes the slot already holds) and + ``_timed`` (its copies'
+rates, and how long compute waited for each).
 """
 
 from __future__ import annotations
@@ -29,44 +30,61 @@ from bench.dit_stack import LORA_INPUTS, SIZES, build, stack_step, timed_steps
 from bench.side_by_side import engine_options
 
 
-def copies_beside_compute(model, device, nbytes: int, gated: bool = False) -> list:
+def copies_beside_compute(model, device, nbytes: int, gated: bool = False, arena: bool = False) -> list:
     """``resident_copies``: a host->device copy of ``nbytes`` (one streamed block's) on a side stream
     at every other block's forward and recompute, into a buffer compute never reads, so compute
     never waits for one.  What moving a 12-of-24 step's bytes costs the compute beside it (copy
     engine, memory traffic), apart from any engine's scheduling.  ``gated``
     (``resident_copies_gated``): each copy starts only once the compute queued before its hook has
     run, as the engine's copies wait for their slot; otherwise they start as soon as the host,
-    running ahead of the GPU, issues them."""
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    running ahead of the GPU, issues them.  ``arena`` (``resident_copies_arena``): the copies read 12
+    blocks' worth of host memory page-locked in place (``HostArena``, as the engine's weights are),
+    a different block's region each time, instead of one buffer from ``cudaHostAlloc``."""
+    from diffsynth_core.offload.arena import HostArena
+
+    blocks = model.blocks[1::2]
+    if arena:
+        host_arena = HostArena(len(blocks) * nbytes)
+        host_arena.buffer.view(torch.bfloat16).normal_()  # touched, as weights copied in would be
+        if device.type == "cuda":
+            host_arena.pin()
+        sources = [host_arena.region(i * nbytes, nbytes) for i in range(len(blocks))]
+    else:
+        sources = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")]
     scratch = torch.empty(nbytes, dtype=torch.uint8, device=device)
     side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def copy(_module, _args):
-        if side is None:
-            scratch.copy_(host)
-            return
-        if gated:
-            side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            scratch.copy_(host, non_blocking=True)
-    return [block.register_forward_pre_hook(copy) for block in model.blocks[1::2]]
+    def copier(source):
+        def copy(_module, _args):
+            if side is None:
+                scratch.copy_(source)
+                return
+            if gated:
+                side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                scratch.copy_(source, non_blocking=True)
+        return copy
+    return [block.register_forward_pre_hook(copier(sources[i % len(sources)])) for i, block in enumerate(blocks)]
 
 
-def skip_repeat_copies(streamer) -> None:
-    """``_nocopy`` rows (a diagnosis, wrong weights): each unit's first copy into a slot lands as
-    usual, every later one is skipped (its events still ordered as a copy's would be), so the slot
-    keeps real weights of that unit and the step runs the engine's whole schedule (hooks, pointer
-    swaps, event waits) without its host->device bytes."""
-    copy, landed = streamer._copy, set()
+def skip_repeat_copies(streamer, recopy: bool = False) -> None:
+    """``_nocopy`` rows (a diagnosis, wrong weights): each slot's first copy lands as usual, every
+    later one is skipped (its events still ordered as a copy's would be), so the slot keeps real
+    weights of one unit and the step runs the engine's whole schedule (hooks, pointer swaps, event
+    waits) without its host->device bytes.  ``recopy`` (``_samecopy`` rows): every later copy
+    brings that first unit's bytes again, so the bytes move but what compute reads never changes."""
+    copy, first = streamer._copy, {}
 
     def first_copy_only(unit, buf, views, after=()):
-        key = (unit.index, buf.data_ptr())
-        if key not in landed or not streamer.cuda or unit.casts:
-            landed.add(key)
+        settled = first.setdefault(buf.data_ptr(), unit)
+        if settled is unit or not streamer.cuda or unit.casts:
             return copy(unit, buf, views, after)
         with torch.cuda.stream(streamer.copy_stream):
             for event in after:
                 streamer.copy_stream.wait_event(event)
+            if recopy:
+                buf.narrow(0, 0, settled.host_bytes).copy_(
+                    streamer.arena.region(settled.host_offset, settled.host_bytes), non_blocking=True)
             return streamer.copy_stream.record_event()
     streamer._copy = first_copy_only
 
@@ -124,6 +142,13 @@ class CopyWaits:
                 "copies_per_step": len(rows) / steps}
 
 
+def engine_mode(mode: str) -> str:
+    """The row a diagnosis runs (``static_12_of_24_timed`` -> ``static_12_of_24``)."""
+    for suffix in ("_timed", "_nocopy", "_samecopy"):
+        mode = mode.removesuffix(suffix)
+    return mode
+
+
 @contextlib.contextmanager
 def side(model, device, mode: str, args):
     """``model`` set up as one side runs: ``mode`` "resident" (``resident_copies``: with copies beside
@@ -135,13 +160,13 @@ def side(model, device, mode: str, args):
     apply_gradient_checkpointing(model, ("blocks",), offload_activations="_act" in mode)
     mgr, hooks = None, []
     if mode.startswith("resident_copies"):
-        hooks = copies_beside_compute(model, device, int(args.copy_gib * 2**30), gated=mode.endswith("_gated"))
+        hooks = copies_beside_compute(model, device, int(args.copy_gib * 2**30), gated="_gated" in mode,
+                                      arena="_arena" in mode)
     elif not mode.startswith("resident"):  # resident_act: resident, block inputs offloaded
         mgr = OffloadTrainingManager(model, device, block_container_names=("blocks",),
-                                     **engine_options(mode.removesuffix("_nocopy").removesuffix("_timed"), args.size,
-                                                     args.budget_gib))
-        if mode.endswith("_nocopy"):
-            skip_repeat_copies(mgr.streamer)
+                                     **engine_options(engine_mode(mode), args.size, args.budget_gib))
+        if mode.endswith(("_nocopy", "_samecopy")):
+            skip_repeat_copies(mgr.streamer, recopy=mode.endswith("_samecopy"))
         if mode.endswith("_timed") and device.type == "cuda":
             mgr.copy_waits = CopyWaits(mgr)
     try:
@@ -179,8 +204,9 @@ def segment(model, x, opt, device, mode: str, args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", required=True, help="one of side_by_side's rows without host optimizer or state, "
-                    "or resident_copies[_gated] (resident, with --copy-gib copied beside every other block); "
-                    "a row + _nocopy: its schedule without repeated copies (skip_repeat_copies); "
+                    "or resident_copies[_gated][_arena] (resident, with --copy-gib copied beside every other block); "
+                    "a row + _nocopy / _samecopy: its schedule without its copies / copying unchanging bytes "
+                    "(skip_repeat_copies); "
                     "+ _timed: its copies' rates and the compute's waits for them (CopyWaits)")
     ap.add_argument("--copy-gib", type=float, default=0.0, help="resident_copies: GiB per copy")
     ap.add_argument("--pairs", type=int, default=6)
