@@ -24,6 +24,8 @@
 #   bench/h200_session.sh packed20b              # packed GPU tests, the widening kernels, then Qwen-Image 20B:
 #                                                # resident, packed within 24 GB (eager and compiled), fp8
 #                                                # within 16 GB compiled (QWEN_ROWS=...: others)
+#   bench/h200_session.sh diagnose               # the 12-of-24 row taken apart (MODES=...: bench/interleaved.py's
+#                                                # diagnoses, 8 pairs each; BUDGET_GIB for the engine rows)
 #   bench/h200_session.sh timeline               # where the 12-of-24 row's time goes (bench/gpu_timeline.py),
 #                                                # then that row interleaved with resident (PAIRS=12), and
 #                                                # every offload GPU test
@@ -56,6 +58,14 @@ interleave)
     --interleave "${INTERLEAVE:-budget_12_of_24_act}" ${COPIES:+--copies} --pairs "${PAIRS:-6}" --out "$OUT/side_by_side_interleaved_h200.json" > /dev/null
   [ "${OPTIM:-1}" = 0 ] || timeout "$(left)" python3 -m bench.offload --cases optim \
     --out "$OUT/offload_optim_gpustep_h200.json" > /dev/null
+  ;;
+diagnose)
+  # the 12-of-24 row taken apart, one process per mode (bench/interleaved.py's diagnoses; 75-110 s each)
+  for m in ${MODES:-resident_copies resident_copies_arena static_12_of_24_samecopy static_12_of_24_timed}; do
+    [ "$(left)" -ge 120 ] || break
+    timeout 170 python3 -m bench.interleaved --mode "$m" --budget-gib "${BUDGET_GIB:-2.6374}" --copy-gib 0.2110 \
+      --pairs "${PAIRS:-8}" > "$OUT/interleaved_${m}_h200.json" 2> "$OUT/$m.err"; tail -1 "$OUT/$m.err"
+  done
   ;;
 timeline)
   # (--trace-dir: each profiled step's device events, brought back in one tar: at most 8 files come back)
