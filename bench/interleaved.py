@@ -79,13 +79,11 @@ def skip_repeat_copies(streamer, recopy: bool = False) -> None:
         settled = first.setdefault(buf.data_ptr(), unit)
         if settled is unit or not streamer.cuda or unit.casts:
             return copy(unit, buf, views, after)
-        with torch.cuda.stream(streamer.copy_stream):
-            for event in after:
-                streamer.copy_stream.wait_event(event)
-            if recopy:
-                buf.narrow(0, 0, settled.host_bytes).copy_(
-                    streamer.arena.region(settled.host_offset, settled.host_bytes), non_blocking=True)
-            return streamer.copy_stream.record_event()
+        if recopy:  # the streamer's own copy, of the unit the slot already holds
+            return copy(settled, buf, views, after)
+        for event in after:
+            streamer.copy_stream.wait_event(event)
+        return streamer.copy_stream.record_event()
     streamer._copy = first_copy_only
 
 
@@ -104,16 +102,14 @@ class CopyWaits:
             if unit.casts or unit.index in self.streamer.stored:
                 return copy(unit, buf, views, after)
             stream = self.streamer.copy_stream
-            with torch.cuda.stream(stream):
-                for event in after:
-                    stream.wait_event(event)
-                start, end = timed(), timed()
-                start.record(stream)
-                buf.narrow(0, 0, unit.host_bytes).copy_(self.streamer.arena.region(unit.host_offset, unit.host_bytes),
-                                                        non_blocking=True)
-                end.record(stream)
+            for event in after:  # waited here, so that the copy's start is timed after them
+                stream.wait_event(event)
+            start, end = timed(), timed()
+            start.record(stream)
+            landed = copy(unit, buf, views)  # the streamer's own copy, on the same stream
+            end.record(stream)
             self.copies[unit.index] = (start, end, unit.host_bytes, self.mgr.stats["steps"])
-            return end
+            return landed
 
         def timed_wait(unit):
             copied = self.copies.pop(unit.index, None)

@@ -106,6 +106,7 @@ class ByteBudget:
     streamed_bytes: int  # the same with every unit streamed (what residency saves from)
     compact: list[Unit] = field(default_factory=list)  # kept on the device as stored (fp8), widened per use
     extra_slots: int = 0  # slots to add, to keep more streamed units across the forward->backward turn
+    device_bytes: int = 0  # what the plan adds to the device: resident and compact units, extra slots
 
 
 def device_cost(u: Unit) -> int:
@@ -159,12 +160,13 @@ def plan_residency(units: list[Unit], uses: list[int], n_slots: int, room: int, 
     resident = sorted((u for u in chosen if u not in compact), key=lambda u: position[u.index])
     compact.sort(key=lambda u: position[u.index])
     kept, on_device = {u.index for u in resident}, {u.index for u in compact}
-    left = whole_room - sum(u.dev_bytes for u in resident) - sum(u.host_bytes for u in compact)
+    held = sum(u.dev_bytes for u in resident) + sum(u.host_bytes for u in compact)
     slotted = sum(1 for u in units if u.index not in kept and u.dev_bytes > 0)  # pass through the slots
-    extra = min(max(0, slotted - n_slots), left // slot_bytes) if slot_bytes > 0 else 0
+    extra = min(max(0, slotted - n_slots), (whole_room - held) // slot_bytes) if slot_bytes > 0 else 0
     # compact units still pass through the slots, widened from their device copy: nothing crosses PCIe
     return ByteBudget(resident, planned_bytes(kept, on_device, n_slots + extra),
-                      sum(n * by_index[i].host_bytes for i, n in loads.items()), compact, extra)
+                      sum(n * by_index[i].host_bytes for i, n in loads.items()), compact, extra,
+                      held + extra * slot_bytes)
 
 
 def _back_to_back(uses: list[int], kept: set[int], by_index: dict[int, Unit]) -> int:

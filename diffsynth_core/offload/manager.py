@@ -293,16 +293,14 @@ class OffloadTrainingManager:
     def _plan_budget(self) -> None:
         """Second step starts: fill what the budget leaves with the units that save most bytes."""
         room = self.budget.room()
-        slot_bytes = self.streamer.slot_bytes
-        plan = plan_residency(self.plan.units, self._uses, len(self.streamer.slots), room, slot_bytes)
+        plan = plan_residency(self.plan.units, self._uses, len(self.streamer.slots), room, self.streamer.slot_bytes)
         self.streamer.evict_all()
         self.streamer.add_slots(plan.extra_slots)
         self.plan.set_budget(plan.resident, self.streamer, plan.compact)
         self._set_streamed()
         self.streamer.rehome([i for i in forward_order(self._uses) if i in self._streamed_ids])
         self._order, self._order_seen = [], set()
-        self.budget.planned_peak += (sum(u.dev_bytes for u in plan.resident) + sum(u.host_bytes for u in plan.compact)
-                                     + plan.extra_slots * slot_bytes)
+        self.budget.planned_peak += plan.device_bytes
         self._drop_hooks(plan.resident)
         self.stats["planned_h2d_bytes_per_step"] = plan.planned_bytes
         self._uses = None
