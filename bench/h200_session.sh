@@ -26,6 +26,10 @@
 #                                                # within 16 GB compiled (QWEN_ROWS=...: others)
 #   bench/h200_session.sh diagnose               # the 12-of-24 row taken apart (MODES=...: bench/interleaved.py's
 #                                                # diagnoses, 8 pairs each; BUDGET_GIB for the engine rows)
+#   bench/h200_session.sh pair MUSUBI_FILE       # musubi's 12-swapped stack, then our 12-of-24 row, each alternated
+#                                                # with resident in its own process (PAIRS=6), same machine
+#   bench/h200_session.sh sources                # copies beside resident compute, by the host memory they read
+#                                                # (bench/copy_sources.py)
 #   bench/h200_session.sh timeline               # where the 12-of-24 row's time goes (bench/gpu_timeline.py),
 #                                                # then that row interleaved with resident (PAIRS=12), and
 #                                                # every offload GPU test
@@ -66,6 +70,15 @@ diagnose)
     timeout 170 python3 -m bench.interleaved --mode "$m" --budget-gib "${BUDGET_GIB:-2.6374}" --copy-gib 0.2110 \
       --pairs "${PAIRS:-8}" > "$OUT/interleaved_${m}_h200.json" 2> "$OUT/$m.err"; tail -1 "$OUT/$m.err"
   done
+  ;;
+pair)
+  timeout 190 python3 -m bench.musubi_harness --musubi-file "$2" --blocks-to-swap 12 --pairs "${PAIRS:-6}" --steps 8 \
+    --warmup 2 2> "$OUT/musubi.err" | tail -n 1 > "$OUT/musubi_interleaved_12_h200.json"; tail -1 "$OUT/musubi.err"
+  timeout "$(left)" python3 -m bench.interleaved --mode budget_12_of_24_act --budget-gib "${BUDGET_GIB:-4.8699}" \
+    --pairs "${PAIRS:-6}" --steps 8 --warmup 2 > "$OUT/interleaved_budget_12_of_24_act_h200.json"
+  ;;
+sources)
+  timeout 200 python3 -m bench.copy_sources --rounds "${ROUNDS:-6}" --steps 5 > "$OUT/copy_sources_h200.json"
   ;;
 timeline)
   # (--trace-dir: each profiled step's device events, brought back in one tar: at most 8 files come back)

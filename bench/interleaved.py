@@ -64,7 +64,21 @@ def copies_beside_compute(model, device, nbytes: int, gated: bool = False, arena
             with torch.cuda.stream(side):
                 scratch.copy_(source, non_blocking=True)
         return copy
-    return [block.register_forward_pre_hook(copier(sources[i % len(sources)])) for i, block in enumerate(blocks)]
+    hooks = [block.register_forward_pre_hook(copier(sources[i % len(sources)])) for i, block in enumerate(blocks)]
+    if arena:  # unpinned with the hooks: the next side's arena may get the same addresses ("already mapped")
+        hooks.append(ReleaseOnRemove(host_arena))
+    return hooks
+
+
+class ReleaseOnRemove:
+    """A "hook" whose ``remove()`` unpins ``arena`` once no queued copy reads it."""
+
+    def __init__(self, arena):
+        self.arena = arena
+
+    def remove(self) -> None:
+        from diffsynth_core.offload.arena import release_all
+        release_all([self.arena])
 
 
 def skip_repeat_copies(streamer, recopy: bool = False) -> None:

@@ -10,6 +10,11 @@ repository).  Wiring follows ``src/musubi_tuner/qwen_image/qwen_image_model.py``
 ``wait_for_block(i)`` / ``checkpoint(block, ...)`` / ``submit_move_blocks_forward(blocks, i)``; its
 own backward hooks do the rest.  Bytes per step are counted by wrapping the copier's ``submit``.
 Prints one JSON line like ``bench/side_by_side.py``'s workers.
+
+``--pairs N``: musubi's offloader cannot be detached, so a second model of the same seed stays
+resident on the GPU beside it, checkpointed the same way, and the two alternate (ABBA) in this
+process as ``bench/interleaved.py``'s sides do; the JSON then has its pairs and ratios in that
+script's form (``engine`` is musubi's).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import statistics
+import sys
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -40,8 +47,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--lora-input", choices=LORA_INPUTS, default="narrow")
+    ap.add_argument("--pairs", type=int, default=0, help="alternate with a resident copy of the model")
     args = ap.parse_args()
     torch.backends.cuda.enable_cudnn_sdp(False)  # as in our rows (avoid_broken_kernels)
+    print("building", file=sys.stderr, flush=True)
     musubi = load_offloading(args.musubi_file)
     device = torch.device(args.device)
     model, x = build(args.size, device, lora_input=args.lora_input)
@@ -77,10 +86,48 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
+    if args.pairs:
+        print(json.dumps(interleaved(step, resident_step(args, device), device, args)))
+        return
     out = timed_steps(step, device, args.steps, args.warmup)
     out.update(h2d_gb_per_step=(copied[0] - before[0]) / 1e9, streamed_blocks=offloader.S,
                stream_idx=offloader.stream_idx)
     print(json.dumps(out))
+
+
+def resident_step(args, device):
+    """One training step of a resident model of the same seed, its blocks checkpointed as above."""
+    model, x = build(args.size, device, lora_input=args.lora_input)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+
+    def step():
+        h = x
+        for blk in model.blocks:
+            h = checkpoint(blk, h, use_reentrant=False)
+        loss = h.float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step
+
+
+def interleaved(musubi_step, resident, device, args) -> dict:
+    """ABBA pairs of timed segments (peaks are both models' together, so left out)."""
+    pairs, every = [], {"resident": [], "engine": []}
+    for i in range(args.pairs):
+        order = ("resident", "engine") if i % 2 == 0 else ("engine", "resident")
+        runs = {}
+        for side in order:
+            runs[side] = timed_steps(resident if side == "resident" else musubi_step, device, args.steps, args.warmup)
+            every[side] += runs[side]["step_s_all"][args.warmup:]
+        pairs.append({"resident": runs["resident"]["step_s"], "engine": runs["engine"]["step_s"],
+                      "ratio": runs["engine"]["step_s"] / runs["resident"]["step_s"]})
+        print(f"pair {i}: {pairs[-1]}", file=sys.stderr, flush=True)
+    pooled = {side: statistics.median(times) for side, times in every.items()}
+    return {"mode": f"musubi_swap_{args.blocks_to_swap}", "pairs": pairs,
+            "median_pair_ratio": statistics.median(p["ratio"] for p in pairs),
+            "pooled_ratio": pooled["engine"] / pooled["resident"], "pooled_step_s": pooled}
 
 
 if __name__ == "__main__":
