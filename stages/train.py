@@ -186,7 +186,8 @@ def _train(cfg: RunConfig) -> TrainSummary:
     offloader = activation_offloader(transformer)
     if offloader is not None and offloader.d2h_bytes:  # block inputs went to host memory (CUDA only)
         report["activation_offload"] = offloader.stats()
-    if report and trainer.rank == 0:
+    trained = result.step > result.resumed_from  # a re-run of a finished run measured nothing
+    if report and trained and trainer.rank == 0:
         (output / "offload.json").write_text(json.dumps(report, indent=1))
     if result.offload is not None and result.lora_config is None:
         result.offload.detach()  # full fine-tuning exports every weight: back in place, no second copy

@@ -97,6 +97,20 @@ def test_training_under_the_offload_engine_equals_training_without_it(make_confi
         assert pages["pages_stepped"] >= 4 and pages["d2h_bytes"] > 0
 
 
+def test_rerunning_a_finished_run_keeps_its_offload_report(make_config):
+    """A re-run that finds the run finished trains no step: the report measured by the run that
+    trained stays as it was (an all-zero report must not replace it)."""
+    cfg = make_config("train.max_steps=2", "train.save_steps=0", "offload.enable_model_cpu_offload=true")
+    preprocess.run(cfg)
+    train.run(cfg)
+    measured = (cfg.output_dir / "offload.json").read_text()
+    report = json.loads(measured)
+    assert report["steps"] == 2 and report["h2d_bytes"] > 0
+    again = train.run(cfg)
+    assert again.resumed_from == again.steps == 2
+    assert (cfg.output_dir / "offload.json").read_text() == measured
+
+
 # Without offload, CPU training computes with the weights as loaded: views of the mmapped
 # safetensors file, 8-byte aligned.  The engine copies them into its 64-byte aligned arena, and
 # oneDNN's fp32 kernels round differently for the two alignments (last-ulp differences).  The
