@@ -22,6 +22,7 @@ its pooled ratio, and the system's huge-page setting and how many huge pages eac
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import mmap
 import statistics
@@ -77,7 +78,7 @@ def sources(kind: str, nbytes: int, count: int, keep: list) -> tuple[list[torch.
 
 def copy_hooks(model, regions: list[torch.Tensor], scratch: torch.Tensor, side: torch.cuda.Stream) -> list:
     """At every block's forward (and recompute), one copy from the next region, on ``side``."""
-    turn = iter(range(10**9))
+    turn = itertools.count()
 
     def copy(_module, _args):
         with torch.cuda.stream(side):

@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import json
 import statistics
+import sys
 
 import torch
 
@@ -45,7 +46,7 @@ def copies_beside_compute(model, device, nbytes: int, gated: bool = False, arena
     blocks = model.blocks[1::2]
     if arena:
         host_arena = HostArena(len(blocks) * nbytes)
-        host_arena.buffer.view(torch.bfloat16).normal_()  # touched, as weights copied in would be
+        host_arena.buffer.fill_(1)  # touched, as weights copied in would be
         if device.type == "cuda":
             host_arena.pin()
         sources = [host_arena.region(i * nbytes, nbytes) for i in range(len(blocks))]
@@ -232,23 +233,30 @@ def main() -> None:
     device = avoid_broken_kernels(args.device)
     model, x = build(args.size, device, lora_input=args.lora_input)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=device.type == "cuda")
-    pairs = []
-    for i in range(args.pairs):
-        order = ("resident", args.mode) if i % 2 == 0 else (args.mode, "resident")  # ABBA ABBA ...
-        runs = {mode: segment(model, x, opt, device, mode, args) for mode in order}
-        pairs.append({"resident": runs["resident"], "engine": runs[args.mode],
-                      "ratio": runs[args.mode]["step_s"] / runs["resident"]["step_s"]})
-    pooled = {side: statistics.median(t for p in pairs for t in p[side]["step_s_all"][args.warmup:])
+    alternated = alternate(lambda side: segment(model, x, opt, device, side, args), args.mode, args.pairs, args.warmup)
+    peaks = {side: max((p[side]["peak_gib"] or 0) for p in alternated["pairs"]) or None for side in ("resident", "engine")}
+    print(json.dumps({"mode": args.mode, "budget_gib": args.budget_gib, **alternated, "peak_gib": peaks}))
+
+
+def alternate(run, engine: str, pairs: int, warmup: int) -> dict:
+    """``pairs`` pairs of ``run("resident")`` and ``run(engine)`` (each a ``timed_steps`` result), in
+    ABBA order so that steady drift cancels: the pairs (as "resident" / "engine"), each pair's ratio
+    of medians, their median, and the ratio of the sides' pooled medians.  Each pair's ratio goes to
+    stderr as it lands (a run cut short by its time limit still shows how far it got)."""
+    done = []
+    for i in range(pairs):
+        order = ("resident", engine) if i % 2 == 0 else (engine, "resident")
+        runs = {side: run(side) for side in order}
+        done.append({"resident": runs["resident"], "engine": runs[engine],
+                     "ratio": runs[engine]["step_s"] / runs["resident"]["step_s"]})
+        print(f"pair {i}: {done[-1]['ratio']:.4f}", file=sys.stderr, flush=True)
+    pooled = {side: statistics.median(t for p in done for t in p[side]["step_s_all"][warmup:])
               for side in ("resident", "engine")}
-    peaks = {side: max((p[side]["peak_gib"] or 0) for p in pairs) or None for side in ("resident", "engine")}
-    for p in pairs:
+    for p in done:
         for side in ("resident", "engine"):
             p[side].pop("step_s_all")
-    print(json.dumps({"mode": args.mode, "budget_gib": args.budget_gib, "pairs": pairs,
-                      "median_pair_ratio": statistics.median(p["ratio"] for p in pairs),
-                      "pooled_ratio": pooled["engine"] / pooled["resident"], "pooled_step_s": pooled,
-                      "peak_gib": peaks}))
-
+    return {"pairs": done, "median_pair_ratio": statistics.median(p["ratio"] for p in done),
+            "pooled_ratio": pooled["engine"] / pooled["resident"], "pooled_step_s": pooled}
 
 if __name__ == "__main__":
     main()

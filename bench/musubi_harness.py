@@ -13,8 +13,8 @@ Prints one JSON line like ``bench/side_by_side.py``'s workers.
 
 ``--pairs N``: musubi's offloader cannot be detached, so a second model of the same seed stays
 resident on the GPU beside it, checkpointed the same way, and the two alternate (ABBA) in this
-process as ``bench/interleaved.py``'s sides do; the JSON then has its pairs and ratios in that
-script's form (``engine`` is musubi's).
+process (``bench.interleaved.alternate``); the JSON then has its pairs and ratios in that
+script's form (``engine`` is musubi's; no peaks: they would be both models' together).
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import statistics
 import sys
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from bench.dit_stack import LORA_INPUTS, build, timed_steps
+from bench.interleaved import alternate
 
 
 def load_offloading(path: str):
@@ -75,19 +75,22 @@ def main() -> None:
             offloader.submit_move_blocks_forward(blocks, i)
         return h
 
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    train = training_step(forward, x, model)
     before = [0]
 
     def step():
         before[0] = copied[0]
-        loss = forward(x).float().pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
+        return train()
 
     if args.pairs:
-        print(json.dumps(interleaved(step, resident_step(args, device), device, args)))
+        resident, resident_x = build(args.size, device, lora_input=args.lora_input)
+        resident_train = training_step(lambda h: checkpointed(resident.blocks, h), resident_x, resident)
+
+        def run(side):
+            out = timed_steps(resident_train if side == "resident" else step, device, args.steps, args.warmup)
+            return {"step_s": out["step_s"], "step_s_all": out["step_s_all"]}  # peaks: both models' together
+        print(json.dumps({"mode": f"musubi_swap_{args.blocks_to_swap}",
+                          **alternate(run, "engine", args.pairs, args.warmup)}))
         return
     out = timed_steps(step, device, args.steps, args.warmup)
     out.update(h2d_gb_per_step=(copied[0] - before[0]) / 1e9, streamed_blocks=offloader.S,
@@ -95,40 +98,24 @@ def main() -> None:
     print(json.dumps(out))
 
 
-def resident_step(args, device):
-    """One training step of a resident model of the same seed, its blocks checkpointed as above."""
-    model, x = build(args.size, device, lora_input=args.lora_input)
+def checkpointed(blocks, h):
+    """The resident model's forward: each block checkpointed as in musubi's wiring above."""
+    for blk in blocks:
+        h = checkpoint(blk, h, use_reentrant=False)
+    return h
+
+
+def training_step(forward, x, model):
+    """One step: ``forward(x)``'s squared mean, backward, fused AdamW over the LoRA weights."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
 
     def step():
-        h = x
-        for blk in model.blocks:
-            h = checkpoint(blk, h, use_reentrant=False)
-        loss = h.float().pow(2).mean()
+        loss = forward(x).float().pow(2).mean()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
     return step
-
-
-def interleaved(musubi_step, resident, device, args) -> dict:
-    """ABBA pairs of timed segments (peaks are both models' together, so left out)."""
-    pairs, every = [], {"resident": [], "engine": []}
-    for i in range(args.pairs):
-        order = ("resident", "engine") if i % 2 == 0 else ("engine", "resident")
-        runs = {}
-        for side in order:
-            runs[side] = timed_steps(resident if side == "resident" else musubi_step, device, args.steps, args.warmup)
-            every[side] += runs[side]["step_s_all"][args.warmup:]
-        pairs.append({"resident": runs["resident"]["step_s"], "engine": runs["engine"]["step_s"],
-                      "ratio": runs["engine"]["step_s"] / runs["resident"]["step_s"]})
-        print(f"pair {i}: {pairs[-1]}", file=sys.stderr, flush=True)
-    pooled = {side: statistics.median(times) for side, times in every.items()}
-    return {"mode": f"musubi_swap_{args.blocks_to_swap}", "pairs": pairs,
-            "median_pair_ratio": statistics.median(p["ratio"] for p in pairs),
-            "pooled_ratio": pooled["engine"] / pooled["resident"], "pooled_step_s": pooled}
-
 
 if __name__ == "__main__":
     main()
