@@ -28,6 +28,9 @@
 #                                                # diagnoses, 8 pairs each; BUDGET_GIB for the engine rows)
 #   bench/h200_session.sh pair MUSUBI_FILE       # musubi's 12-swapped stack, then our 12-of-24 row, each alternated
 #                                                # with resident in its own process (PAIRS=6), same machine
+#   bench/h200_session.sh rows                   # RUNS="MODE@BUDGET_GIB ...": bench/interleaved.py rows, one
+#                                                # process each (PAIRS=6), e.g. the 12-of-24 row with its
+#                                                # blocks split into their Linears (budget_12_of_24_act_leaves)
 #   bench/h200_session.sh sources                # copies beside resident compute, by the host memory they read
 #                                                # (bench/copy_sources.py)
 #   bench/h200_session.sh timeline               # where the 12-of-24 row's time goes (bench/gpu_timeline.py),
@@ -76,6 +79,14 @@ pair)
     --warmup 2 2> "$OUT/musubi.err" | tail -n 1 > "$OUT/musubi_interleaved_12_h200.json"; tail -1 "$OUT/musubi.err"
   timeout "$(left)" python3 -m bench.interleaved --mode budget_12_of_24_act --budget-gib "${BUDGET_GIB:-4.8699}" \
     --pairs "${PAIRS:-6}" --steps 8 --warmup 2 > "$OUT/interleaved_budget_12_of_24_act_h200.json"
+  ;;
+rows)
+  for run in ${RUNS:?}; do
+    m=${run%@*}; [ "$(left)" -ge 100 ] || break
+    timeout "${ROW_S:-150}" python3 -m bench.interleaved --mode "$m" --budget-gib "${run#*@}" --pairs "${PAIRS:-6}" \
+      --steps 8 --warmup 2 > "$OUT/interleaved_${m}_${run#*@}_h200.json" 2> "$OUT/${m}_${run#*@}.err"
+    tail -1 "$OUT/${m}_${run#*@}.err"
+  done
   ;;
 sources)
   timeout 200 python3 -m bench.copy_sources --rounds "${ROUNDS:-6}" --steps 5 > "$OUT/copy_sources_h200.json"

@@ -11,7 +11,9 @@ steady drift cancels; each pair gives a ratio of medians.  Prints one JSON docum
 the median of their ratios, the ratio of the pooled medians, and each side's peak.
 ``side_by_side --interleave MODE`` computes the budget and calls this.
 
-Diagnoses of where a row's time goes (``--mode``): ``resident_copies[_gated][_arena]`` (the bytes
+Rows (``--mode``): side_by_side's, + ``_pN`` (N + 1 slots), + ``_leaves`` (blocks split into their
+Linears), + ``_bwdstep`` (optimizer steps during backward, each segment with an optimizer of its own).
+Diagnoses of where a row's time goes: ``resident_copies[_gated][_arena]`` (the bytes
 alone, beside resident compute), a row + ``_nocopy`` (its schedule without its copies), +
 ``_samecopy`` (its copies, bringing bytes the slot already holds) and + ``_timed`` (its copies'
 rates, and how long compute waited for each).
@@ -198,9 +200,21 @@ def side(model, device, mode: str, args):
 
 
 def segment(model, x, opt, device, mode: str, args) -> dict:
-    """Timed steps of one side (see ``side``)."""
-    with side(model, device, mode, args) as mgr:
-        out = timed_steps(stack_step(model, x, opt, mgr), device, args.steps, args.warmup)
+    """Timed steps of one side (see ``side``).  ``_bwdstep`` rows step during backward
+    (``StepInBackward``, as ``offload.optimizer_step_in_backward`` runs it): with an optimizer of
+    their own, new each segment (its state lives in the pager's host pages, which the resident
+    side's optimizer cannot read), so its first steps are among the warm-up ones."""
+    from diffsynth_core.offload.backward_steps import StepInBackward
+
+    pager = None
+    if "_bwdstep" in mode:
+        opt = torch.optim.AdamW(opt.param_groups[0]["params"], lr=1e-4, fused=device.type == "cuda")
+        pager = StepInBackward(opt, skip_nonfinite=device.type == "cuda")
+    with side(model, device, mode, args) as mgr, contextlib.ExitStack() as undo:
+        if pager is not None:
+            undo.callback(pager.remove)
+        out = timed_steps(stack_step(model, x, opt, mgr, pager if pager and pager.skip_nonfinite else None),
+                          device, args.steps, args.warmup)
         out.pop("losses")
         if mgr is not None:
             rep = mgr.report()

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,9 +54,13 @@ STATIC = "static_12_of_24"  # interleaved only: offload.resident_gb (evenly spac
 def engine_options(mode: str, size: str, budget_gib: float | None) -> dict:
     """Our engine's options for each row."""
     linear = 4 * SIZES[size][1] ** 2 * 2  # the largest Linear of a block (up/down: 4·w²), bf16 bytes
-    # "_hoststate", "_bwdstep", "_act", "_early": set in run_worker; "_p2" (interleaved only): three slots
-    slots3 = mode.endswith("_p2")
-    mode = mode.removesuffix("_p2").removesuffix("_hoststate").removesuffix("_bwdstep").removesuffix("_act")
+    # "_hoststate", "_bwdstep", "_act", "_early": set in run_worker; "_pN" (interleaved only): N + 1 slots;
+    # "_leaves" (interleaved only): every block split into its Linears (slots the size of the largest)
+    leaves = mode.endswith("_leaves")
+    mode = mode.removesuffix("_leaves")
+    prefetch = re.search(r"_p(\d+)$", mode)
+    mode = mode[:prefetch.start()] if prefetch else mode
+    mode = mode.removesuffix("_hoststate").removesuffix("_bwdstep").removesuffix("_act")
     mode = mode.removesuffix("_early")
     host_optimizer = mode.endswith("_hostopt")
     opts = {"streamed": dict(prefetch=1),
@@ -63,7 +68,8 @@ def engine_options(mode: str, size: str, budget_gib: float | None) -> dict:
             "fp8_streamed": dict(prefetch=1, storage_dtype=torch.float8_e4m3fn),
             BUDGET: dict(prefetch=1, vram_budget_gb=budget_gib),
             STATIC: dict(prefetch=1, resident_gb=budget_gib)}[mode.removesuffix("_hostopt")]
-    opts = {**opts, "prefetch": 2} if slots3 else opts
+    opts = {**opts, "prefetch": int(prefetch.group(1))} if prefetch else opts
+    opts = {**opts, "cpu_offload_split_threshold": linear / MIB} if leaves else opts
     return {**opts, "enable_optimizer_cpu_offload": True} if host_optimizer else opts
 
 
