@@ -22,6 +22,7 @@ from .plan import MIB, Plan, build_plan
 from .packed import PACKED
 from .schedule import SuccessorSchedule
 from .streamer import Streamer
+from .units import find_blocks, module_bytes
 
 _MARK = "_splitflow_offload_manager"
 
@@ -126,6 +127,8 @@ class OffloadTrainingManager:
                           "(enable_optimizer_cpu_offload), so offload.vram_budget_gb keeps none resident: "
                           "every block streams; what the budget leaves holds blocks from their forward to "
                           "their backward (one copy a step instead of two)", RuntimeWarning, stacklevel=2)
+        if split is not None and budget > 0:
+            _warn_if_slots_hold_less_than_two_blocks(self.plan, model, block_container_names, n_slots)
         self.plan.move_resident()
         pin = self.device.type == "cuda" if pin_memory is None else pin_memory
         self.arena = self._make_arena(pin, share_host_copy, host_arena_factory or HostArena)
@@ -486,6 +489,24 @@ class OffloadTrainingManager:
     def _check_attached(self) -> None:
         if self.streamer is None:
             raise RuntimeError("this OffloadTrainingManager was detached")
+
+
+def _warn_if_slots_hold_less_than_two_blocks(plan: Plan, model: nn.Module, block_container_names, n_slots: int) -> None:
+    """Split units under a budget: the budget fills at a layer's granularity, but the slots shrink
+    with the units, and with them how far the copies run ahead of compute.  Below two blocks' bytes
+    compute waits for them (the 12-of-24 stack: two slots of a Linear 1.08-1.14x resident, six
+    1.004-1.013x; docs/offload.md), so say which ``prefetch`` keeps two blocks' bytes in flight."""
+    blocks = find_blocks(model, block_container_names)
+    streamed = [u.dev_bytes for u in plan.units if u.dev_bytes > 0]
+    if not blocks or not streamed:
+        return
+    slot, two_blocks = max(streamed), 2 * max(module_bytes(b) for b in blocks)
+    if n_slots * slot >= two_blocks:
+        return
+    warnings.warn(f"offload: cpu_offload_split_threshold makes {n_slots} slots of {slot / MIB:.1f} MiB, less than "
+                  f"two of the largest blocks ({two_blocks / MIB:.1f} MiB): the copies can run only that far ahead "
+                  f"of compute, which then waits for them; offload.prefetch = {-(-two_blocks // slot) - 1} keeps two "
+                  "blocks' bytes in flight", RuntimeWarning, stacklevel=3)
 
 
 def _check_options(prefetch: int, vram_budget_gb, split_threshold, storage_dtype) -> None:

@@ -153,6 +153,19 @@ def test_split_threshold_splits_units_over_it_in_bytes_recursively():
         OffloadTrainingManager(model, "cpu", cpu_offload_split_threshold=0)
 
 
+def test_split_units_under_a_budget_warn_when_their_slots_hold_less_than_two_blocks():
+    import warnings
+    model = _Nested().requires_grad_(False)
+    layers = 1.0 / 2**20  # every Linear its own unit: the largest (mlp.0) 4352 bytes, a block 10752
+    with pytest.warns(RuntimeWarning, match=r"2 slots of .* offload.prefetch = 4 keeps two blocks"):
+        mgr = OffloadTrainingManager(model, "cpu", cpu_offload_split_threshold=layers, vram_budget_gb=1e-3)
+    mgr.detach()
+    for opts in (dict(prefetch=4, vram_budget_gb=1e-3), dict(prefetch=1)):  # enough slots; no budget (a choice)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            OffloadTrainingManager(model, "cpu", cpu_offload_split_threshold=layers, **opts).detach()
+
+
 def test_fp8_storage_has_per_row_scales_streams_fewer_bytes_and_widens_exactly():
     from diffsynth_core.offload.quant import dequantize_rows, quantize_rows
     torch.manual_seed(0)
