@@ -500,8 +500,9 @@ def _warn_if_slots_hold_less_than_two_blocks(plan: Plan, model: nn.Module, block
     streamed = [u.dev_bytes for u in plan.units if u.dev_bytes > 0]
     if not blocks or not streamed:
         return
-    slot, two_blocks = max(streamed), 2 * max(module_bytes(b) for b in blocks)
-    if n_slots * slot >= two_blocks:
+    slot, block = max(streamed), max(module_bytes(b) for b in blocks)
+    two_blocks = 2 * block
+    if slot >= block or n_slots * slot >= two_blocks:  # nothing split below a block, or slots enough
         return
     warnings.warn(f"offload: cpu_offload_split_threshold makes {n_slots} slots of {slot / MIB:.1f} MiB, less than "
                   f"two of the largest blocks ({two_blocks / MIB:.1f} MiB): the copies can run only that far ahead "

@@ -160,10 +160,13 @@ def test_split_units_under_a_budget_warn_when_their_slots_hold_less_than_two_blo
     with pytest.warns(RuntimeWarning, match=r"2 slots of .* offload.prefetch = 4 keeps two blocks"):
         mgr = OffloadTrainingManager(model, "cpu", cpu_offload_split_threshold=layers, vram_budget_gb=1e-3)
     mgr.detach()
-    for opts in (dict(prefetch=4, vram_budget_gb=1e-3), dict(prefetch=1)):  # enough slots; no budget (a choice)
+    quiet = (dict(cpu_offload_split_threshold=layers, prefetch=4, vram_budget_gb=1e-3),  # slots enough
+             dict(cpu_offload_split_threshold=layers, prefetch=1),  # no budget: small slots are the point
+             dict(cpu_offload_split_threshold=1.0, prefetch=0, vram_budget_gb=1e-3))  # nothing split
+    for opts in quiet:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            OffloadTrainingManager(model, "cpu", cpu_offload_split_threshold=layers, **opts).detach()
+            OffloadTrainingManager(model, "cpu", **opts).detach()
 
 
 def test_fp8_storage_has_per_row_scales_streams_fewer_bytes_and_widens_exactly():
