@@ -213,8 +213,7 @@ def segment(model, x, opt, device, mode: str, args) -> dict:
     with side(model, device, mode, args) as mgr, contextlib.ExitStack() as undo:
         if pager is not None:
             undo.callback(pager.remove)
-        out = timed_steps(stack_step(model, x, opt, mgr, pager if pager and pager.skip_nonfinite else None),
-                          device, args.steps, args.warmup)
+        out = timed_steps(stack_step(model, x, opt, mgr, pager), device, args.steps, args.warmup)
         out.pop("losses")
         if mgr is not None:
             rep = mgr.report()
@@ -228,8 +227,9 @@ def segment(model, x, opt, device, mode: str, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", required=True, help="one of side_by_side's rows without host optimizer or state, "
-                    "or resident_copies[_gated][_arena] (resident, with --copy-gib copied beside every other block); "
+    ap.add_argument("--mode", required=True, help="one of side_by_side's rows without host optimizer or state "
+                    "(+ _pN: N + 1 slots; + _leaves: blocks split into their Linears; + _bwdstep: optimizer steps "
+                    "during backward), or resident_copies[_gated][_arena] (resident, with --copy-gib copied beside every other block); "
                     "a row + _nocopy / _samecopy: its schedule without its copies / copying unchanging bytes "
                     "(skip_repeat_copies); "
                     "+ _timed: its copies' rates and the compute's waits for them (CopyWaits)")

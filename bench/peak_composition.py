@@ -77,13 +77,13 @@ def main() -> None:
         snapshot = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
         measured = torch.cuda.max_memory_allocated()
-        before = {"allocated_at_step_start_mib": start / MIB, "max_memory_allocated_mib": measured / MIB}
+        figures = {"allocated_at_step_start_mib": start / MIB, "max_memory_allocated_mib": measured / MIB}
         if mgr is not None:
-            before["resident_units"] = mgr.report()["budget_units"]
-            before["slots_mib"] = len(mgr.streamer.slots) * mgr.streamer.slot_bytes / MIB
+            figures["resident_units"] = mgr.report()["budget_units"]
+            figures["slots_mib"] = len(mgr.streamer.slots) * mgr.streamer.slot_bytes / MIB
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     events = [ev for trace in snapshot["device_traces"] for ev in trace]
-    print(json.dumps({"mode": args.mode, "budget_gib": args.budget_gib, **before,
+    print(json.dumps({"mode": args.mode, "budget_gib": args.budget_gib, **figures,
                       "trainable_mib": trainable / MIB, **replay(events, start)}))
 
 

@@ -501,12 +501,11 @@ def _warn_if_slots_hold_less_than_two_blocks(plan: Plan, model: nn.Module, block
     if not blocks or not streamed:
         return
     slot, block = max(streamed), max(module_bytes(b) for b in blocks)
-    two_blocks = 2 * block
-    if slot >= block or n_slots * slot >= two_blocks:  # nothing split below a block, or slots enough
+    if slot >= block or n_slots * slot >= 2 * block:  # nothing split below a block, or slots enough
         return
-    warnings.warn(f"offload: cpu_offload_split_threshold makes {n_slots} slots of {slot / MIB:.1f} MiB, less than "
-                  f"two of the largest blocks ({two_blocks / MIB:.1f} MiB): the copies can run only that far ahead "
-                  f"of compute, which then waits for them; offload.prefetch = {-(-two_blocks // slot) - 1} keeps two "
+    warnings.warn(f"offload.cpu_offload_split_threshold makes {n_slots} slots of {slot / MIB:.1f} MiB, less than "
+                  f"two of the largest blocks ({2 * block / MIB:.1f} MiB): the copies can run only that far ahead "
+                  f"of compute, which then waits for them; offload.prefetch = {-(-2 * block // slot) - 1} keeps two "
                   "blocks' bytes in flight", RuntimeWarning, stacklevel=3)
 
 
