@@ -30,7 +30,8 @@
 #                                                # with resident in its own process (PAIRS=6), same machine
 #   bench/h200_session.sh rows                   # RUNS="MODE@BUDGET_GIB ...": bench/interleaved.py rows, one
 #                                                # process each (PAIRS=6), e.g. the 12-of-24 row with its
-#                                                # blocks split into their Linears (budget_12_of_24_act_leaves)
+#                                                # blocks split into their Linears (budget_12_of_24_act_leaves);
+#                                                # CLOCKS=1: each side's SM clock and power (NVML)
 #   bench/h200_session.sh sources                # copies beside resident compute, by the host memory they read
 #                                                # (bench/copy_sources.py)
 #   bench/h200_session.sh timeline               # where the 12-of-24 row's time goes (bench/gpu_timeline.py),
@@ -81,11 +82,13 @@ pair)
     --pairs "${PAIRS:-6}" --steps 8 --warmup 2 > "$OUT/interleaved_budget_12_of_24_act_h200.json"
   ;;
 rows)
+  i=0
   for run in ${RUNS:?}; do
-    m=${run%@*}; [ "$(left)" -ge 100 ] || break
+    m=${run%@*}; i=$((i + 1)); [ "$(left)" -ge 100 ] || break
+    err=/tmp/${m}_${run#*@}_r$i.err  # not in $OUT: at most 8 files come back; the pairs are printed
     timeout "${ROW_S:-150}" python3 -m bench.interleaved --mode "$m" --budget-gib "${run#*@}" --pairs "${PAIRS:-6}" \
-      --steps 8 --warmup 2 > "$OUT/interleaved_${m}_${run#*@}_h200.json" 2> "$OUT/${m}_${run#*@}.err"
-    tail -1 "$OUT/${m}_${run#*@}.err"
+      ${CLOCKS:+--clocks} --steps 8 --warmup 2 > "$OUT/interleaved_${m}_${run#*@}_r${i}_h200.json" 2> "$err"
+    echo "$run (run $i):"; grep "^pair" "$err"; tail -1 "$err"
   done
   ;;
 sources)

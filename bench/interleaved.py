@@ -26,6 +26,7 @@ import contextlib
 import json
 import statistics
 import sys
+import time
 
 import torch
 
@@ -215,6 +216,9 @@ def segment(model, x, opt, device, mode: str, args) -> dict:
             undo.callback(pager.remove)
         out = timed_steps(stack_step(model, x, opt, mgr, pager), device, args.steps, args.warmup)
         out.pop("losses")
+        if getattr(args, "sampler", None) is not None:  # over the timed steps, which end now
+            end = time.perf_counter()
+            out["clocks"] = args.sampler.window(end - sum(out["step_s_all"][args.warmup:]), end)
         if mgr is not None:
             rep = mgr.report()
             out.update(resident_units=rep["budget_units"], stalls=rep["stalls"],
@@ -241,10 +245,17 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--lora-input", choices=LORA_INPUTS, default="narrow")
     ap.add_argument("--budget-gib", type=float, default=None)
+    ap.add_argument("--clocks", action="store_true", help="each side's mean SM clock, power and clock-event "
+                    "reasons over its timed steps (bench/gpu_clocks.py, NVML)")
     args = ap.parse_args()
     from diffsynth_core.training.device import avoid_broken_kernels
 
     device = avoid_broken_kernels(args.device)
+    args.sampler = None
+    if args.clocks:
+        from bench.gpu_clocks import ClockSampler
+
+        args.sampler = ClockSampler(device.index or 0)
     model, x = build(args.size, device, lora_input=args.lora_input)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=device.type == "cuda")
     alternated = alternate(lambda side: segment(model, x, opt, device, side, args), args.mode, args.pairs, args.warmup)
@@ -263,7 +274,10 @@ def alternate(run, engine: str, pairs: int, warmup: int) -> dict:
         runs = {side: run(side) for side in order}
         done.append({"resident": runs["resident"], "engine": runs[engine],
                      "ratio": runs[engine]["step_s"] / runs["resident"]["step_s"]})
-        print(f"pair {i}: {done[-1]['ratio']:.4f}", file=sys.stderr, flush=True)
+        clocks = [runs[side].get("clocks", {}) for side in ("resident", engine)]
+        seen = "" if not all("sm_mhz" in c for c in clocks) else (
+            " (resident / engine: SM {} / {} MHz, {} / {} W)".format(*(c[k] for k in ("sm_mhz", "power_w") for c in clocks)))
+        print(f"pair {i}: {done[-1]['ratio']:.4f}{seen}", file=sys.stderr, flush=True)
     pooled = {side: statistics.median(t for p in done for t in p[side]["step_s_all"][warmup:])
               for side in ("resident", "engine")}
     for p in done:
