@@ -6,10 +6,11 @@ peft/tuners/tuners_utils.py), and autograd saves that fp32 copy for ``lora_A``'s
 twice the bytes of the bf16 input, once per adapted Linear (q, k and v each keep their own copy of
 one input), alive from a block's recompute to its backward. ``project_down`` casts inside one
 autograd Function that saves the input as it came and casts it again in backward. Its backward makes
-the same two ``mm`` calls autograd makes for ``F.linear`` (``mm_mat1_backward`` and the
-column-major branch of ``mm_mat2_backward`` in torch/csrc/autograd/FunctionsManual.cpp, weight.t()
-being column-major), so the gradients are bitwise those of peft's path (tests/core/training/
-test_adapter_inputs.py, on the CPU and the GPU).  The Function's Python and the second cast cost
+the products autograd makes for ``F.linear`` (``mm_mat1_backward`` and the column-major branch of
+``mm_mat2_backward`` in torch/csrc/autograd/FunctionsManual.cpp, weight.t() being column-major),
+the input's gradient in slices of rows so that a wide input's fp32 gradient is never whole on the
+device, and the gradients are bitwise those of peft's path (tests/core/training/
+test_adapter_inputs.py, on the CPU and the GPU). The Function's Python and the second cast cost
 2-5 % of a real-width Qwen-Image step on the H200, so it runs only with ``train.lora_narrow_inputs``
 (``prepare.py``; docs/training.md).
 """
@@ -19,6 +20,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+
+# At most this many bytes of ``x``'s gradient in the weight's dtype (fp32) at a time: a 12288-wide
+# MLP input of 4096 tokens would otherwise hold 192 MiB of it beside its 96 MiB bf16 result, at the
+# moment a checkpointed block's backward peaks.
+GRAD_SLICE_BYTES = 64 << 20
 
 
 class _DownProjection(torch.autograd.Function):
@@ -34,11 +41,26 @@ class _DownProjection(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_2d = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_weight = None
-        if ctx.needs_input_grad[0]:
-            grad_x = grad_2d.mm(weight).view(x.shape).to(x.dtype)
+        # The weight's gradient first, so that its fp32 copy of x is gone before x's gradient exists.
         if ctx.needs_input_grad[1]:
             grad_weight = grad_2d.t().mm(x.reshape(-1, x.shape[-1]).to(weight.dtype))
+        if ctx.needs_input_grad[0]:
+            grad_x = _input_grad(grad_2d, weight, x.dtype).view(x.shape)
         return grad_x, grad_weight
+
+
+def _input_grad(grad_2d: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``grad_2d.mm(weight).to(dtype)`` in slices of rows, each at most ``GRAD_SLICE_BYTES`` before
+    its cast.  A row of the product is its own sum over the adapter's rank, the same in a slice as in
+    the whole (tested bitwise against autograd on the CPU and the GPU, at a real MLP's width)."""
+    rows = grad_2d.shape[0]
+    per_slice = max(1, GRAD_SLICE_BYTES // max(1, weight.shape[1] * weight.element_size()))
+    if rows <= per_slice:
+        return grad_2d.mm(weight).to(dtype)
+    out = torch.empty(rows, weight.shape[1], dtype=dtype, device=grad_2d.device)
+    for start in range(0, rows, per_slice):
+        out[start:start + per_slice] = grad_2d[start:start + per_slice].mm(weight)
+    return out
 
 
 def project_down(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
