@@ -26,6 +26,11 @@ from torch.nn import functional as F
 # MLP input of 4096 tokens would otherwise hold 192 MiB of it beside its 96 MiB bf16 result, at the
 # moment a checkpointed block's backward peaks.
 GRAD_SLICE_BYTES = 64 << 20
+# Slices are whole multiples of this many rows, and only inputs with such a row count are sliced:
+# cuBLAS picks its kernel by shape, and on the H200 slices of 256-multiples gave the whole
+# product's bits at every shape tried (tests/core/training/test_adapter_inputs.py), 1365 rows of a
+# 12288-wide input did not.
+SLICE_ROWS = 256
 
 
 class _DownProjection(torch.autograd.Function):
@@ -50,12 +55,12 @@ class _DownProjection(torch.autograd.Function):
 
 
 def _input_grad(grad_2d: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``grad_2d.mm(weight).to(dtype)`` in slices of rows, each at most ``GRAD_SLICE_BYTES`` before
-    its cast.  A row of the product is its own sum over the adapter's rank, the same in a slice as in
-    the whole (tested bitwise against autograd on the CPU and the GPU, at a real MLP's width)."""
+    """``grad_2d.mm(weight).to(dtype)``, in slices of rows of at most ``GRAD_SLICE_BYTES`` before
+    their cast where the rows divide into ``SLICE_ROWS``: a row of the product is its own sum over
+    the adapter's rank, the same bits in a slice as in the whole."""
     rows = grad_2d.shape[0]
-    per_slice = max(1, GRAD_SLICE_BYTES // max(1, weight.shape[1] * weight.element_size()))
-    if rows <= per_slice:
+    per_slice = GRAD_SLICE_BYTES // max(1, weight.shape[1] * weight.element_size()) // SLICE_ROWS * SLICE_ROWS
+    if per_slice == 0 or rows <= per_slice or rows % SLICE_ROWS:
         return grad_2d.mm(weight).to(dtype)
     out = torch.empty(rows, weight.shape[1], dtype=dtype, device=grad_2d.device)
     for start in range(0, rows, per_slice):
