@@ -28,6 +28,7 @@
 #                                                # diagnoses, 8 pairs each; BUDGET_GIB for the engine rows)
 #   bench/h200_session.sh pair MUSUBI_FILE       # musubi's 12-swapped stack, then our 12-of-24 row, each alternated
 #                                                # with resident in its own process (PAIRS=6), same machine
+#                                                # (CLOCKS=1: our row's SM clock and power, NVML)
 #   bench/h200_session.sh rows                   # RUNS="MODE@BUDGET_GIB ...": bench/interleaved.py rows, one
 #                                                # process each (PAIRS=6), e.g. the 12-of-24 row with its
 #                                                # blocks split into their Linears (budget_12_of_24_act_leaves);
@@ -43,7 +44,8 @@
 #   export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 # MUSUBI_FILE is musubi-tuner's src/musubi_tuner/modules/custom_offloading_utils.py (not shipped here).
 # JSON lands in $OUT (default ./h200-out) under the names bench/summarise_h200.py and bench/results/README.md
-# use; each step has its own time limit inside one overall deadline.
+# use; each step has its own time limit inside one overall deadline.  WARMUP=N: untimed steps per
+# segment of the interleaved rows (pair, rows; default 2).
 set -u
 OUT=${OUT:-./h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -77,9 +79,9 @@ diagnose)
   ;;
 pair)
   timeout 190 python3 -m bench.musubi_harness --musubi-file "$2" --blocks-to-swap 12 --pairs "${PAIRS:-6}" --steps 8 \
-    --warmup 2 2> "$OUT/musubi.err" | tail -n 1 > "$OUT/musubi_interleaved_12_h200.json"; tail -1 "$OUT/musubi.err"
+    --warmup "${WARMUP:-2}" 2> "$OUT/musubi.err" | tail -n 1 > "$OUT/musubi_interleaved_12_h200.json"; tail -1 "$OUT/musubi.err"
   timeout "$(left)" python3 -m bench.interleaved --mode budget_12_of_24_act --budget-gib "${BUDGET_GIB:-4.8699}" \
-    --pairs "${PAIRS:-6}" --steps 8 --warmup 2 > "$OUT/interleaved_budget_12_of_24_act_h200.json"
+    --pairs "${PAIRS:-6}" --steps 8 --warmup "${WARMUP:-2}" ${CLOCKS:+--clocks} > "$OUT/interleaved_budget_12_of_24_act_h200.json"
   ;;
 rows)
   i=0
@@ -87,7 +89,7 @@ rows)
     m=${run%@*}; i=$((i + 1)); [ "$(left)" -ge 100 ] || break
     err=/tmp/${m}_${run#*@}_r$i.err  # not in $OUT: at most 8 files come back; the pairs are printed
     timeout "${ROW_S:-150}" python3 -m bench.interleaved --mode "$m" --budget-gib "${run#*@}" --pairs "${PAIRS:-6}" \
-      ${CLOCKS:+--clocks} --steps 8 --warmup 2 > "$OUT/interleaved_${m}_${run#*@}_r${i}_h200.json" 2> "$err"
+      ${CLOCKS:+--clocks} --steps 8 --warmup "${WARMUP:-2}" > "$OUT/interleaved_${m}_${run#*@}_r${i}_h200.json" 2> "$err"
     echo "$run (run $i):"; grep "^pair" "$err"; tail -1 "$err"
   done
   ;;

@@ -266,7 +266,7 @@ def main() -> None:
 def alternate(run, engine: str, pairs: int, warmup: int) -> dict:
     """``pairs`` pairs of ``run("resident")`` and ``run(engine)`` (each a ``timed_steps`` result), in
     ABBA order so that steady drift cancels: the pairs (as "resident" / "engine"), each pair's ratio
-    of medians, their median, and the ratio of the sides' pooled medians.  Each pair's ratio goes to
+    of medians, their median and mean, and the ratio of the sides' pooled medians.  Each pair's ratio goes to
     stderr as it lands (a run cut short by its time limit still shows how far it got)."""
     done = []
     for i in range(pairs):
@@ -282,8 +282,11 @@ def alternate(run, engine: str, pairs: int, warmup: int) -> dict:
               for side in ("resident", "engine")}
     for p in done:
         for side in ("resident", "engine"):
-            p[side].pop("step_s_all")
+            p[side]["step_ms_all"] = [round(t * 1e3, 2) for t in p[side].pop("step_s_all")]  # warm-up included
+    # mean_pair_ratio: with an even count of pairs, half of them in each order, an effect of which side
+    # runs first cancels in the mean (the median of such pairs falls between two clusters)
     return {"pairs": done, "median_pair_ratio": statistics.median(p["ratio"] for p in done),
+            "mean_pair_ratio": statistics.mean(p["ratio"] for p in done),
             "pooled_ratio": pooled["engine"] / pooled["resident"], "pooled_step_s": pooled}
 
 if __name__ == "__main__":

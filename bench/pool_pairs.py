@@ -1,0 +1,39 @@
+"""Pool interleaved rows (``bench/interleaved.py``, ``bench/musubi_harness.py --pairs``) run in several processes.
+
+    python3 bench/pool_pairs.py bench/results/interleaved_budget_12_of_24_act_sliced_*_h200.json
+
+One process's pairs share what that process was dealt (its machine, its allocations), so the unit
+of this estimate is the process: each file's mean pair ratio (with as many pairs in each order, an
+effect of which side runs first cancels in it), then their mean with a 95 % interval (Student's t
+over the files) and the median of the files' medians.  Prints one JSON document.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+# Student's t, two-sided 95 %, by degrees of freedom (1-30); beyond, the normal 1.96
+T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+       2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def pool(paths: list[Path]) -> dict:
+    files = {}
+    for path in paths:
+        ratios = [p["ratio"] for p in json.loads(path.read_text())["pairs"]]
+        files[path.stem] = {"pairs": len(ratios), "median": round(statistics.median(ratios), 4),
+                            "mean": round(statistics.mean(ratios), 4)}
+    means = [f["mean"] for f in files.values()]
+    out = {"files": files, "processes": len(means), "mean_of_means": round(statistics.mean(means), 4),
+           "median_of_medians": round(statistics.median(f["median"] for f in files.values()), 4)}
+    if len(means) > 1:
+        half = (T95[len(means) - 2] if len(means) - 1 <= len(T95) else 1.96) * statistics.stdev(means) / len(means) ** 0.5
+        out["mean_95"] = [round(out["mean_of_means"] - half, 4), round(out["mean_of_means"] + half, 4)]
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(pool([Path(p) for p in sys.argv[1:]]), indent=1))
