@@ -28,8 +28,8 @@ from torch.nn import functional as F
 GRAD_SLICE_BYTES = 64 << 20
 # Slices are whole multiples of this many rows, and only inputs with such a row count are sliced:
 # cuBLAS picks its kernel by shape, and on the H200 slices of 256-multiples gave the whole
-# product's bits at every shape tried (tests/core/training/test_adapter_inputs.py), 1365 rows of a
-# 12288-wide input did not.
+# product's bits at all 160 sliced shapes of bench/adapter_slices.py (and the GPU tests in
+# tests/core/training/test_adapter_inputs.py), where 1365 rows of a 12288-wide input did not.
 SLICE_ROWS = 256
 
 
@@ -56,8 +56,9 @@ class _DownProjection(torch.autograd.Function):
 
 def _input_grad(grad_2d: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``grad_2d.mm(weight).to(dtype)``, in slices of rows of at most ``GRAD_SLICE_BYTES`` before
-    their cast where the rows divide into ``SLICE_ROWS``: a row of the product is its own sum over
-    the adapter's rank, the same bits in a slice as in the whole."""
+    their cast where the rows divide into ``SLICE_ROWS``.  Each row of the product is its own sum over
+    the adapter's rank; that a slice's kernel sums it as the whole product's does is measured, not
+    promised by cuBLAS (``SLICE_ROWS``)."""
     rows = grad_2d.shape[0]
     per_slice = GRAD_SLICE_BYTES // max(1, weight.shape[1] * weight.element_size()) // SLICE_ROWS * SLICE_ROWS
     if per_slice == 0 or rows <= per_slice or rows % SLICE_ROWS:
