@@ -14,6 +14,7 @@ autograd saves the fp32 copy); the results are bitwise equal, the saved bytes no
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -126,20 +127,28 @@ def stack_step(model, x, opt, mgr=None, guarded=None):
 
 def timed_steps(step, device: torch.device, steps: int, warmup: int) -> dict:
     """Run ``step()`` (one optimizer step, returns the loss) ``warmup + steps`` times; median wall
-    time per step and ``max_memory_allocated`` over the timed steps."""
+    time per step and ``max_memory_allocated`` over the timed steps.  The timed steps run with the
+    heap hidden from Python's cyclic collector, as the Trainer's do (``frozen_heap``): here the first
+    steps import what the Trainer imports before its loop, and a full collection over that (~0.1 s)
+    otherwise landed in about one step in 50, on either side (bench/results, sixth session)."""
+    from diffsynth_core.training.collector import frozen_heap
+
     cuda = device.type == "cuda"
     times, losses = [], []
-    for i in range(warmup + steps):
-        if i == warmup and cuda:
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-        if cuda:
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        losses.append(float(step()))
-        if cuda:
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
+    with contextlib.ExitStack() as heap:
+        for i in range(warmup + steps):
+            if i == warmup:
+                heap.enter_context(frozen_heap())
+                if cuda:
+                    torch.cuda.synchronize(device)
+                    torch.cuda.reset_peak_memory_stats(device)
+            if cuda:
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            losses.append(float(step()))
+            if cuda:
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated(device) if cuda else None
     return {"step_s": statistics.median(times[warmup:]), "step_s_all": times, "peak_gib": peak and peak / 2**30,
             "losses": losses}
