@@ -90,7 +90,8 @@ rows)
     err=/tmp/${m}_${run#*@}_r$i.err  # not in $OUT: at most 8 files come back; the pairs are printed
     timeout "${ROW_S:-150}" python3 -m bench.interleaved --mode "$m" --budget-gib "${run#*@}" --pairs "${PAIRS:-6}" \
       ${CLOCKS:+--clocks} --steps 8 --warmup "${WARMUP:-2}" > "$OUT/interleaved_${m}_${run#*@}_r${i}_h200.json" 2> "$err"
-    echo "$run (run $i):"; grep "^pair" "$err"; tail -1 "$err"
+    echo "$run (run $i):"; grep "^pair" "$err"
+    [ -s "$OUT/interleaved_${m}_${run#*@}_r${i}_h200.json" ] || tail -3 "$err"  # no JSON: why
   done
   ;;
 sources)
