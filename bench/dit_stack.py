@@ -129,8 +129,9 @@ def timed_steps(step, device: torch.device, steps: int, warmup: int) -> dict:
     """Run ``step()`` (one optimizer step, returns the loss) ``warmup + steps`` times; median wall
     time per step and ``max_memory_allocated`` over the timed steps.  The timed steps run with the
     heap hidden from Python's cyclic collector, as the Trainer's do (``frozen_heap``): here the first
-    steps import what the Trainer imports before its loop, and a full collection over that (~0.1 s)
-    otherwise landed in about one step in 50, on either side (bench/results, sixth session)."""
+    steps import what the Trainer imports before its loop, and full collections over that (35-145 ms
+    on a 2-core CPU) fell inside timed steps; on the H200 about one step in 50 ran 85-105 ms long, on
+    either side (bench/results, sixth session; that these were collections is not confirmed there)."""
     from diffsynth_core.training.collector import frozen_heap
 
     cuda = device.type == "cuda"
