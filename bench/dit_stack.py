@@ -14,7 +14,6 @@ autograd saves the fp32 copy); the results are bitwise equal, the saved bytes no
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 
@@ -136,20 +135,23 @@ def timed_steps(step, device: torch.device, steps: int, warmup: int) -> dict:
 
     cuda = device.type == "cuda"
     times, losses = [], []
-    with contextlib.ExitStack() as heap:
-        for i in range(warmup + steps):
-            if i == warmup:
-                heap.enter_context(frozen_heap())
-                if cuda:
-                    torch.cuda.synchronize(device)
-                    torch.cuda.reset_peak_memory_stats(device)
-            if cuda:
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            losses.append(float(step()))
-            if cuda:
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
+
+    def timed_step() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        losses.append(float(step()))
+        if cuda:
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+
+    for _ in range(warmup):
+        timed_step()
+    with frozen_heap():
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        for _ in range(steps):
+            timed_step()
     peak = torch.cuda.max_memory_allocated(device) if cuda else None
     return {"step_s": statistics.median(times[warmup:]), "step_s_all": times, "peak_gib": peak and peak / 2**30,
             "losses": losses}

@@ -86,12 +86,13 @@ pair)
 rows)
   i=0
   for run in ${RUNS:?}; do
-    m=${run%@*}; i=$((i + 1)); [ "$(left)" -ge 100 ] || break
-    err=/tmp/${m}_${run#*@}_r$i.err  # not in $OUT: at most 8 files come back; the pairs are printed
-    timeout "${ROW_S:-150}" python3 -m bench.interleaved --mode "$m" --budget-gib "${run#*@}" --pairs "${PAIRS:-6}" \
-      ${CLOCKS:+--clocks} --steps 8 --warmup "${WARMUP:-2}" > "$OUT/interleaved_${m}_${run#*@}_r${i}_h200.json" 2> "$err"
+    m=${run%@*}; gib=${run#*@}; i=$((i + 1)); [ "$(left)" -ge 100 ] || break
+    json=$OUT/interleaved_${m}_${gib}_r${i}_h200.json
+    err=/tmp/${m}_${gib}_r$i.err  # not in $OUT: at most 8 files come back; the pairs are printed
+    timeout "${ROW_S:-150}" python3 -m bench.interleaved --mode "$m" --budget-gib "$gib" --pairs "${PAIRS:-6}" \
+      ${CLOCKS:+--clocks} --steps 8 --warmup "${WARMUP:-2}" > "$json" 2> "$err"
     echo "$run (run $i):"; grep "^pair" "$err"
-    [ -s "$OUT/interleaved_${m}_${run#*@}_r${i}_h200.json" ] || tail -3 "$err"  # no JSON: why
+    [ -s "$json" ] || tail -3 "$err"  # no JSON: why
   done
   ;;
 sources)

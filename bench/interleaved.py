@@ -216,7 +216,7 @@ def segment(model, x, opt, device, mode: str, args) -> dict:
             undo.callback(pager.remove)
         out = timed_steps(stack_step(model, x, opt, mgr, pager), device, args.steps, args.warmup)
         out.pop("losses")
-        if getattr(args, "sampler", None) is not None:  # over the timed steps, which end now
+        if args.sampler is not None:  # over the timed steps, which end now
             end = time.perf_counter()
             out["clocks"] = args.sampler.window(end - sum(out["step_s_all"][args.warmup:]), end)
         if mgr is not None:
@@ -259,6 +259,8 @@ def main() -> None:
     model, x = build(args.size, device, lora_input=args.lora_input)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=device.type == "cuda")
     alternated = alternate(lambda side: segment(model, x, opt, device, side, args), args.mode, args.pairs, args.warmup)
+    if args.sampler is not None:
+        args.sampler.stop()
     peaks = {side: max((p[side]["peak_gib"] or 0) for p in alternated["pairs"]) or None for side in ("resident", "engine")}
     print(json.dumps({"mode": args.mode, "budget_gib": args.budget_gib, **alternated, "peak_gib": peaks}))
 
