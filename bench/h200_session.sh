@@ -29,6 +29,9 @@
 #   bench/h200_session.sh pair MUSUBI_FILE       # musubi's 12-swapped stack, then our 12-of-24 row, each alternated
 #                                                # with resident in its own process (PAIRS=6), same machine
 #                                                # (CLOCKS=1: our row's SM clock and power, NVML)
+#   bench/h200_session.sh three MUSUBI_FILE      # resident, musubi's 12-swapped offloader and our 12-of-24 row
+#                                                # rotated in one process (ROUNDS=12 rounds, every order of the
+#                                                # three in turn), PROCS=3 processes (bench/musubi_harness.py --ours)
 #   bench/h200_session.sh rows                   # RUNS="MODE@BUDGET_GIB ...": bench/interleaved.py rows, one
 #                                                # process each (PAIRS=6), e.g. the 12-of-24 row with its
 #                                                # blocks split into their Linears (budget_12_of_24_act_leaves);
@@ -82,6 +85,17 @@ pair)
     --warmup "${WARMUP:-2}" 2> "$OUT/musubi.err" | tail -n 1 > "$OUT/musubi_interleaved_12_h200.json"; tail -1 "$OUT/musubi.err"
   timeout "$(left)" python3 -m bench.interleaved --mode budget_12_of_24_act --budget-gib "${BUDGET_GIB:-4.8699}" \
     --pairs "${PAIRS:-6}" --steps 8 --warmup "${WARMUP:-2}" ${CLOCKS:+--clocks} > "$OUT/interleaved_budget_12_of_24_act_h200.json"
+  ;;
+three)
+  for i in $(seq "${PROCS:-3}"); do
+    [ "$(left)" -ge 170 ] || break
+    json=$OUT/three_way_r${i}_h200.json
+    timeout "${ROW_S:-200}" python3 -m bench.musubi_harness --musubi-file "$2" --blocks-to-swap 12 \
+      --ours "${MODE:-budget_12_of_24_act}" --budget-gib "${BUDGET_GIB:-4.8699}" --pairs "${ROUNDS:-12}" --steps 8 \
+      --warmup "${WARMUP:-2}" 2> "/tmp/three_$i.err" | tail -n 1 > "$json"  # musubi prints a line of its own
+    echo "process $i:"; grep "^round" "/tmp/three_$i.err"
+    [ -s "$json" ] || tail -3 "/tmp/three_$i.err"
+  done
   ;;
 rows)
   i=0

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import statistics
 import sys
@@ -290,6 +291,29 @@ def alternate(run, engine: str, pairs: int, warmup: int) -> dict:
     return {"pairs": done, "median_pair_ratio": statistics.median(p["ratio"] for p in done),
             "mean_pair_ratio": statistics.mean(p["ratio"] for p in done),
             "pooled_ratio": pooled["engine"] / pooled["resident"], "pooled_step_s": pooled}
+
+
+def rotate(run, sides: tuple[str, ...], rounds: int, warmup: int) -> dict:
+    """``rounds`` rounds of ``run(side)`` (a ``timed_steps`` result) for every side, the sides of round
+    i in the order ``permutations(sides)[i % n!]``: over a multiple of n! rounds every side runs in
+    every position equally often, so an effect of position cancels in the means (with two sides,
+    ``alternate``'s ABBA).  Each round's ratio of medians for every pair of sides, later over earlier
+    in ``sides`` ("b/a"), and per pair their median and mean over the rounds."""
+    orders = list(itertools.permutations(sides))
+    done = []
+    for i in range(rounds):
+        order = orders[i % len(orders)]
+        runs = {side: run(side) for side in order}
+        ratios = {f"{b}/{a}": runs[b]["step_s"] / runs[a]["step_s"] for a, b in itertools.combinations(sides, 2)}
+        for side in sides:  # warm-up steps included, as alternate() keeps them
+            runs[side]["step_ms_all"] = [round(t * 1e3, 2) for t in runs[side].pop("step_s_all")]
+        done.append({"order": list(order), **runs, "ratios": ratios})
+        print(f"round {i} ({' '.join(order)}): " + ", ".join(f"{k} {r:.4f}" for k, r in ratios.items()),
+              file=sys.stderr, flush=True)
+    keys = done[0]["ratios"] if done else {}
+    return {"rounds": done, "warmup": warmup,
+            "median_ratio": {k: statistics.median(r["ratios"][k] for r in done) for k in keys},
+            "mean_ratio": {k: statistics.mean(r["ratios"][k] for r in done) for k in keys}}
 
 if __name__ == "__main__":
     main()

@@ -15,6 +15,14 @@ Prints one JSON line like ``bench/side_by_side.py``'s workers.
 resident on the GPU beside it, checkpointed the same way, and the two alternate (ABBA) in this
 process (``bench.interleaved.alternate``); the JSON then has its pairs and ratios in that
 script's form (``engine`` is musubi's; no peaks: they would be both models' together).
+
+``--ours MODE --budget-gib G --pairs N``: three sides in one process, N rounds (``bench.interleaved.rotate``,
+every order of the three in turn): resident and our row MODE on one model (attached and detached
+each round, as ``bench.interleaved`` does) and musubi's offloader on the other, so that the two
+engines are compared with each other on the same machine at the same moment, not only each with
+resident.  Our planner measures the device's peak, which now holds the other model too: its budget
+is G plus that model's bytes (measured), and each side's ``own_peak_gib`` is its peak less the
+other model's bytes.
 """
 
 from __future__ import annotations
@@ -27,8 +35,10 @@ import sys
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from bench.dit_stack import LORA_INPUTS, build, timed_steps
-from bench.interleaved import alternate
+from bench.dit_stack import LORA_INPUTS, build, stack_step, timed_steps
+from bench.interleaved import alternate, rotate, segment
+
+GIB = 2**30
 
 
 def load_offloading(path: str):
@@ -47,22 +57,50 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--lora-input", choices=LORA_INPUTS, default="narrow")
-    ap.add_argument("--pairs", type=int, default=0, help="alternate with a resident copy of the model")
+    ap.add_argument("--pairs", type=int, default=0, help="alternate with a resident copy of the model "
+                    "(with --ours: rounds of the three sides)")
+    ap.add_argument("--ours", default=None, help="one of bench.interleaved's modes: three sides, see above")
+    ap.add_argument("--budget-gib", type=float, default=None, help="--ours: our row's budget")
     args = ap.parse_args()
     torch.backends.cuda.enable_cudnn_sdp(False)  # as in our rows (avoid_broken_kernels)
     print("building", file=sys.stderr, flush=True)
     musubi = load_offloading(args.musubi_file)
     device = torch.device(args.device)
+    if args.ours:
+        print(json.dumps(three_way(args, musubi, device)))
+        return
     model, x = build(args.size, device, lora_input=args.lora_input)
+    step, copied, offloader = musubi_training(musubi, model, x, args.blocks_to_swap, device)
+
+    if args.pairs:
+        resident, resident_x = build(args.size, device, lora_input=args.lora_input)
+        resident_train = training_step(lambda h: checkpointed(resident.blocks, h), resident_x, resident)
+
+        def run(side):
+            out = timed_steps(resident_train if side == "resident" else step, device, args.steps, args.warmup)
+            return {"step_s": out["step_s"], "step_s_all": out["step_s_all"]}  # peaks: both models' together
+        print(json.dumps({"mode": f"musubi_swap_{args.blocks_to_swap}",
+                          **alternate(run, "engine", args.pairs, args.warmup)}))
+        return
+    out = timed_steps(step, device, args.steps, args.warmup)
+    out.update(h2d_gb_per_step=copied["last_step"] / 1e9, streamed_blocks=offloader.S,
+               stream_idx=offloader.stream_idx)
+    print(json.dumps(out))
+
+
+def musubi_training(musubi, model, x, blocks_to_swap: int, device):
+    """musubi's offloader on ``model`` (wired as its trainers wire it) and one training step of it;
+    the step, the bytes its copier moved (``copied["last_step"]``: in the latest step) and the offloader."""
     blocks = list(model.blocks)
     config = musubi.BlockSwapConfig(device=device, supports_backward=True, use_pinned_memory=True, h2d_only=True,
                                     ring_size=2)
-    offloader = musubi.create_offloader("stack-block", blocks, len(blocks), args.blocks_to_swap, config)
-    copied = [0]
+    offloader = musubi.create_offloader("stack-block", blocks, len(blocks), blocks_to_swap, config)
+    copied = {"total": 0, "last_step": 0}
     submit = offloader.copier.submit
 
     def counting_submit(key, dst_flat, src_flat, gate_event=None):
-        copied[0] += src_flat.numel()
+        copied["total"] += src_flat.numel()
+        copied["last_step"] += src_flat.numel()
         return submit(key, dst_flat, src_flat, gate_event)
     offloader.copier.submit = counting_submit
     offloader.prepare_block_devices_before_forward(blocks)
@@ -76,26 +114,42 @@ def main() -> None:
         return h
 
     train = training_step(forward, x, model)
-    before = [0]
 
     def step():
-        before[0] = copied[0]
+        copied["last_step"] = 0
         return train()
+    return step, copied, offloader
 
-    if args.pairs:
-        resident, resident_x = build(args.size, device, lora_input=args.lora_input)
-        resident_train = training_step(lambda h: checkpointed(resident.blocks, h), resident_x, resident)
 
-        def run(side):
-            out = timed_steps(resident_train if side == "resident" else step, device, args.steps, args.warmup)
-            return {"step_s": out["step_s"], "step_s_all": out["step_s_all"]}  # peaks: both models' together
-        print(json.dumps({"mode": f"musubi_swap_{args.blocks_to_swap}",
-                          **alternate(run, "engine", args.pairs, args.warmup)}))
-        return
-    out = timed_steps(step, device, args.steps, args.warmup)
-    out.update(h2d_gb_per_step=(copied[0] - before[0]) / 1e9, streamed_blocks=offloader.S,
-               stream_idx=offloader.stream_idx)
-    print(json.dumps(out))
+def three_way(args, musubi, device) -> dict:
+    """``--ours``: resident, musubi's offloader and our row, rotated in this process (see above)."""
+    ours_model, ours_x = build(args.size, device, lora_input=args.lora_input)
+    opt = torch.optim.AdamW([p for p in ours_model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    stack_step(ours_model, ours_x, opt)()  # AdamW's state exists before the other model is measured
+    torch.cuda.synchronize(device)
+    ours_bytes = torch.cuda.memory_allocated(device)  # the resident model, its state and input
+    model, x = build(args.size, device, lora_input=args.lora_input)
+    musubi_step, copied, _ = musubi_training(musubi, model, x, args.blocks_to_swap, device)
+    musubi_step()
+    torch.cuda.synchronize(device)
+    musubi_bytes = torch.cuda.memory_allocated(device) - ours_bytes
+    # our planner caps the device's peak, which holds musubi's model too; its margin grows by a
+    # 50th of the budget (budget.margin_bytes), so B more bytes of budget leave B * 49 / 50 more room
+    args.budget_gib = args.budget_gib + musubi_bytes / GIB * 50 / 49
+    args.sampler, args.copy_gib = None, 0.0  # as bench.interleaved's main sets them
+
+    def run(side: str) -> dict:
+        if side == "musubi":
+            out = timed_steps(musubi_step, device, args.steps, args.warmup)
+            out.pop("losses")
+            out.update(own_peak_gib=out["peak_gib"] - ours_bytes / GIB, h2d_gb_per_step=copied["last_step"] / 1e9)
+            return out
+        out = segment(ours_model, ours_x, opt, device, side if side == "resident" else args.ours, args)
+        out["own_peak_gib"] = out["peak_gib"] - musubi_bytes / GIB
+        return out
+    return {"mode": f"three_way_{args.ours}_musubi_swap_{args.blocks_to_swap}", "budget_gib": args.budget_gib,
+            "other_model_gib": {"musubi": musubi_bytes / GIB, "ours": ours_bytes / GIB},
+            **rotate(run, ("resident", "musubi", "ours"), args.pairs, args.warmup)}
 
 
 def checkpointed(blocks, h):

@@ -1,6 +1,10 @@
 """Pool interleaved rows (``bench/interleaved.py``, ``bench/musubi_harness.py --pairs``) run in several processes.
 
     python3 bench/pool_pairs.py bench/results/interleaved_budget_12_of_24_act_sliced_*_h200.json
+    python3 bench/pool_pairs.py --ratio ours/musubi bench/results/three_way_*_h200.json
+
+``--ratio KEY``: files of ``bench/musubi_harness.py --ours`` (``interleaved.rotate``'s rounds), the
+rounds' ratio KEY (``musubi/resident``, ``ours/resident`` or ``ours/musubi``) in place of the pairs'.
 
 One process's pairs share what that process was dealt (its machine, its allocations), so the unit
 of this estimate is the process: each file's mean pair ratio (with as many pairs in each order, an
@@ -20,10 +24,17 @@ T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.
        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
 
 
-def pool(paths: list[Path]) -> dict:
+def ratios_in(doc: dict, key: str | None) -> list[float]:
+    """A file's pair ratios, or (``key``) its rounds' ratio ``key``."""
+    if key is None:
+        return [p["ratio"] for p in doc["pairs"]]
+    return [r["ratios"][key] for r in doc["rounds"]]
+
+
+def pool(paths: list[Path], key: str | None = None) -> dict:
     files = {}
     for path in paths:
-        ratios = [p["ratio"] for p in json.loads(path.read_text())["pairs"]]
+        ratios = ratios_in(json.loads(path.read_text()), key)
         files[path.stem] = {"pairs": len(ratios), "median": round(statistics.median(ratios), 4),
                             "mean": round(statistics.mean(ratios), 4)}
     means = [f["mean"] for f in files.values()]
@@ -36,4 +47,8 @@ def pool(paths: list[Path]) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(pool([Path(p) for p in sys.argv[1:]]), indent=1))
+    args = sys.argv[1:]
+    key = None
+    if args[:1] == ["--ratio"]:
+        key, args = args[1], args[2:]
+    print(json.dumps(pool([Path(p) for p in args], key), indent=1))

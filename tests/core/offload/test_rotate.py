@@ -1,0 +1,32 @@
+"""bench/interleaved.rotate: every side in every position, and each round's ratios between the sides."""
+
+import itertools
+
+from bench.interleaved import rotate
+
+
+def test_every_order_in_turn_and_ratios_within_each_round():
+    # a side's step takes its base time, 1 % more when it runs first (an order effect), and the
+    # machine drifts 0.1 % slower with every segment: rotated over all six orders, the means of
+    # the rounds' ratios keep the sides' own ratios to within the drift's share
+    base = {"resident": 0.200, "musubi": 0.2012, "ours": 0.2010}
+    runs, seen = [], []
+
+    def run(side):
+        first = not seen or seen[-1][1] == 2  # the first segment of a round
+        seen.append((side, 0 if first else seen[-1][1] + 1))
+        t = base[side] * (1.01 if first else 1.0) * (1 + 0.001 * len(runs))
+        runs.append(side)
+        return {"step_s": t, "step_s_all": [t, t]}
+
+    out = rotate(run, ("resident", "musubi", "ours"), rounds=6, warmup=1)
+    orders = [tuple(r["order"]) for r in out["rounds"]]
+    assert orders == list(itertools.permutations(("resident", "musubi", "ours")))
+    for side in base:  # six rounds: each side twice in each position
+        assert sum(o.index(side) == 0 for o in orders) == 2
+    first = out["rounds"][0]
+    assert first["ratios"]["ours/musubi"] == first["ours"]["step_s"] / first["musubi"]["step_s"]
+    assert set(out["mean_ratio"]) == {"musubi/resident", "ours/resident", "ours/musubi"}
+    assert abs(out["mean_ratio"]["ours/musubi"] - base["ours"] / base["musubi"]) < 0.0015
+    assert abs(out["mean_ratio"]["ours/resident"] - base["ours"] / base["resident"]) < 0.0015
+    assert first["resident"]["step_ms_all"] == [round(first["resident"]["step_s"] * 1e3, 2)] * 2
