@@ -62,6 +62,8 @@ def main() -> None:
     ap.add_argument("--ours", default=None, help="one of bench.interleaved's modes: three sides, see above")
     ap.add_argument("--budget-gib", type=float, default=None, help="--ours: our row's budget")
     args = ap.parse_args()
+    if args.ours and (args.budget_gib is None or args.pairs < 1):
+        ap.error("--ours needs --budget-gib (our row's budget, as alone) and --pairs (rounds, best a multiple of 6)")
     torch.backends.cuda.enable_cudnn_sdp(False)  # as in our rows (avoid_broken_kernels)
     print("building", file=sys.stderr, flush=True)
     musubi = load_offloading(args.musubi_file)
