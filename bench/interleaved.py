@@ -315,5 +315,6 @@ def rotate(run, sides: tuple[str, ...], rounds: int, warmup: int) -> dict:
             "median_ratio": {k: statistics.median(r["ratios"][k] for r in done) for k in keys},
             "mean_ratio": {k: statistics.mean(r["ratios"][k] for r in done) for k in keys}}
 
+
 if __name__ == "__main__":
     main()

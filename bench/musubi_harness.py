@@ -97,11 +97,10 @@ def musubi_training(musubi, model, x, blocks_to_swap: int, device):
     config = musubi.BlockSwapConfig(device=device, supports_backward=True, use_pinned_memory=True, h2d_only=True,
                                     ring_size=2)
     offloader = musubi.create_offloader("stack-block", blocks, len(blocks), blocks_to_swap, config)
-    copied = {"total": 0, "last_step": 0}
+    copied = {"last_step": 0}
     submit = offloader.copier.submit
 
     def counting_submit(key, dst_flat, src_flat, gate_event=None):
-        copied["total"] += src_flat.numel()
         copied["last_step"] += src_flat.numel()
         return submit(key, dst_flat, src_flat, gate_event)
     offloader.copier.submit = counting_submit
@@ -136,7 +135,7 @@ def three_way(args, musubi, device) -> dict:
     torch.cuda.synchronize(device)
     musubi_bytes = torch.cuda.memory_allocated(device) - ours_bytes
     # our planner caps the device's peak, which holds musubi's model too; its margin grows by a
-    # 50th of the budget (budget.margin_bytes), so B more bytes of budget leave B * 49 / 50 more room
+    # 50th of the budget (budget.margin_bytes): B * 50 / 49 more budget leaves exactly B more room
     args.budget_gib = args.budget_gib + musubi_bytes / GIB * 50 / 49
     args.sampler, args.copy_gib = None, 0.0  # as bench.interleaved's main sets them
 
