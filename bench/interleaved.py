@@ -266,6 +266,11 @@ def main() -> None:
     print(json.dumps({"mode": args.mode, "budget_gib": args.budget_gib, **alternated, "peak_gib": peaks}))
 
 
+def steps_in_ms(out: dict) -> None:
+    """A ``timed_steps`` result's every step (warm-up included) kept as ``step_ms_all``, in ms to 0.01."""
+    out["step_ms_all"] = [round(t * 1e3, 2) for t in out.pop("step_s_all")]
+
+
 def alternate(run, engine: str, pairs: int, warmup: int) -> dict:
     """``pairs`` pairs of ``run("resident")`` and ``run(engine)`` (each a ``timed_steps`` result), in
     ABBA order so that steady drift cancels: the pairs (as "resident" / "engine"), each pair's ratio
@@ -285,7 +290,7 @@ def alternate(run, engine: str, pairs: int, warmup: int) -> dict:
               for side in ("resident", "engine")}
     for p in done:
         for side in ("resident", "engine"):
-            p[side]["step_ms_all"] = [round(t * 1e3, 2) for t in p[side].pop("step_s_all")]  # warm-up included
+            steps_in_ms(p[side])
     # mean_pair_ratio: with an even count of pairs, half of them in each order, an effect of which side
     # runs first cancels in the mean (the median of such pairs falls between two clusters)
     return {"pairs": done, "median_pair_ratio": statistics.median(p["ratio"] for p in done),
@@ -305,8 +310,8 @@ def rotate(run, sides: tuple[str, ...], rounds: int, warmup: int) -> dict:
         order = orders[i % len(orders)]
         runs = {side: run(side) for side in order}
         ratios = {f"{b}/{a}": runs[b]["step_s"] / runs[a]["step_s"] for a, b in itertools.combinations(sides, 2)}
-        for side in sides:  # warm-up steps included, as alternate() keeps them
-            runs[side]["step_ms_all"] = [round(t * 1e3, 2) for t in runs[side].pop("step_s_all")]
+        for side in sides:
+            steps_in_ms(runs[side])
         done.append({"order": list(order), **runs, "ratios": ratios})
         print(f"round {i} ({' '.join(order)}): " + ", ".join(f"{k} {r:.4f}" for k, r in ratios.items()),
               file=sys.stderr, flush=True)

@@ -31,12 +31,14 @@ import argparse
 import importlib.util
 import json
 import sys
+from pathlib import Path
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from bench.dit_stack import LORA_INPUTS, build, stack_step, timed_steps
-from bench.interleaved import alternate, rotate, segment
+from bench.dit_stack import LORA_INPUTS, SIZES, build, stack_step, timed_steps
+from bench.interleaved import alternate, engine_mode, rotate, segment
+from bench.side_by_side import engine_options
 
 GIB = 2**30
 
@@ -52,7 +54,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--musubi-file", required=True)
     ap.add_argument("--blocks-to-swap", type=int, required=True)
-    ap.add_argument("--size", default="full")
+    ap.add_argument("--size", choices=sorted(SIZES), default="full")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
@@ -62,8 +64,18 @@ def main() -> None:
     ap.add_argument("--ours", default=None, help="one of bench.interleaved's modes: three sides, see above")
     ap.add_argument("--budget-gib", type=float, default=None, help="--ours: our row's budget")
     args = ap.parse_args()
-    if args.ours and (args.budget_gib is None or args.pairs < 1):
-        ap.error("--ours needs --budget-gib (our row's budget, as alone) and --pairs (rounds, best a multiple of 6)")
+    if not Path(args.musubi_file).is_file():
+        ap.error(f"--musubi-file {args.musubi_file}: no such file (musubi-tuner's "
+                 "src/musubi_tuner/modules/custom_offloading_utils.py)")
+    if args.ours:
+        if args.budget_gib is None or args.pairs < 1:
+            ap.error("--ours needs --budget-gib (our row's budget, as alone) and --pairs (rounds, best a multiple of 6)")
+        try:  # an unknown row fails here, not after both models are built
+            engine_options(engine_mode(args.ours), args.size, args.budget_gib)
+        except KeyError:
+            ap.error(f"--ours {args.ours}: not one of our rows (bench/interleaved.py --help lists them)")
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device: musubi-tuner's offloader copies on CUDA streams")
     torch.backends.cuda.enable_cudnn_sdp(False)  # as in our rows (avoid_broken_kernels)
     print("building", file=sys.stderr, flush=True)
     musubi = load_offloading(args.musubi_file)

@@ -14,9 +14,9 @@ over the files) and the median of the files' medians.  Prints one JSON document.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 # Student's t, two-sided 95 %, by degrees of freedom (1-30); beyond, the normal 1.96
@@ -46,9 +46,17 @@ def pool(paths: list[Path], key: str | None = None) -> dict:
     return out
 
 
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("files", nargs="+", type=Path)
+    ap.add_argument("--ratio", default=None, help="rotated files: the rounds' ratio KEY (e.g. ours/musubi)")
+    args = ap.parse_args()
+    try:
+        print(json.dumps(pool(args.files, args.ratio), indent=1))
+    except (OSError, ValueError, KeyError) as exc:  # a missing file, not JSON, or not of this kind
+        ap.exit(2, f"pool_pairs: {exc.__class__.__name__}: {exc} (files of bench/interleaved.py, "
+                   f"musubi_harness --pairs, or with --ratio of musubi_harness --ours)\n")
+
+
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    key = None
-    if args[:1] == ["--ratio"]:
-        key, args = args[1], args[2:]
-    print(json.dumps(pool([Path(p) for p in args], key), indent=1))
+    main()
