@@ -31,7 +31,9 @@
 #                                                # (CLOCKS=1: our row's SM clock and power, NVML)
 #   bench/h200_session.sh three MUSUBI_FILE      # resident, musubi's 12-swapped offloader and our 12-of-24 row
 #                                                # rotated in one process (ROUNDS=12 rounds, every order of the
-#                                                # three in turn), PROCS=3 processes (bench/musubi_harness.py --ours)
+#                                                # three in turn), PROCS=3 processes (bench/musubi_harness.py --ours);
+#                                                # SWAP=13: musubi swapping 13 blocks, so that its memory is
+#                                                # the row's (files three_way_swap13_r*); BUDGET_GIB: our row's
 #   bench/h200_session.sh rows                   # RUNS="MODE@BUDGET_GIB ...": bench/interleaved.py rows, one
 #                                                # process each (PAIRS=6), e.g. the 12-of-24 row with its
 #                                                # blocks split into their Linears (budget_12_of_24_act_leaves);
@@ -89,8 +91,8 @@ pair)
 three)
   for i in $(seq "${PROCS:-3}"); do
     [ "$(left)" -ge 170 ] || break
-    json=$OUT/three_way_r${i}_h200.json
-    timeout "${ROW_S:-200}" python3 -m bench.musubi_harness --musubi-file "$2" --blocks-to-swap 12 \
+    json=$OUT/three_way${SWAP:+_swap$SWAP}_r${i}_h200.json
+    timeout "${ROW_S:-200}" python3 -m bench.musubi_harness --musubi-file "$2" --blocks-to-swap "${SWAP:-12}" \
       --ours "${MODE:-budget_12_of_24_act}" --budget-gib "${BUDGET_GIB:-4.8699}" --pairs "${ROUNDS:-12}" --steps 8 \
       --warmup "${WARMUP:-2}" 2> "/tmp/three_$i.err" | tail -n 1 > "$json"  # musubi prints a line of its own
     echo "process $i:"; grep "^round" "/tmp/three_$i.err"
