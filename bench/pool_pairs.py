@@ -1,7 +1,7 @@
 """Pool interleaved rows (``bench/interleaved.py``, ``bench/musubi_harness.py --pairs``) run in several processes.
 
     python3 bench/pool_pairs.py bench/results/interleaved_budget_12_of_24_act_sliced_*_h200.json
-    python3 bench/pool_pairs.py --ratio ours/musubi bench/results/three_way_*_h200.json
+    python3 bench/pool_pairs.py --ratio ours/musubi bench/results/three_way_swap13_*_h200.json
 
 ``--ratio KEY``: files of ``bench/musubi_harness.py --ours`` (``interleaved.rotate``'s rounds), the
 rounds' ratio KEY (``musubi/resident``, ``ours/resident`` or ``ours/musubi``) in place of the pairs'.
