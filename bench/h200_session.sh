@@ -26,8 +26,8 @@
 #                                                # within 16 GB compiled (QWEN_ROWS=...: others)
 #   bench/h200_session.sh diagnose               # the 12-of-24 row taken apart (MODES=...: bench/interleaved.py's
 #                                                # diagnoses, 8 pairs each; BUDGET_GIB for the engine rows)
-#   bench/h200_session.sh pair MUSUBI_FILE       # musubi's 12-swapped stack, then our 12-of-24 row, each alternated
-#                                                # with resident in its own process (PAIRS=6), same machine
+#   bench/h200_session.sh pair MUSUBI_FILE       # musubi's 12-swapped stack (SWAP=13: 13 swapped), then our 12-of-24
+#                                                # row, each alternated with resident in its own process (PAIRS=6)
 #                                                # (CLOCKS=1: our row's SM clock and power, NVML)
 #   bench/h200_session.sh three MUSUBI_FILE      # resident, musubi's 12-swapped offloader and our 12-of-24 row
 #                                                # rotated in one process (ROUNDS=12 rounds, every order of the
@@ -83,8 +83,9 @@ diagnose)
   done
   ;;
 pair)
-  timeout 190 python3 -m bench.musubi_harness --musubi-file "$2" --blocks-to-swap 12 --pairs "${PAIRS:-6}" --steps 8 \
-    --warmup "${WARMUP:-2}" 2> "$OUT/musubi.err" | tail -n 1 > "$OUT/musubi_interleaved_12_h200.json"; tail -1 "$OUT/musubi.err"
+  timeout 190 python3 -m bench.musubi_harness --musubi-file "$2" --blocks-to-swap "${SWAP:-12}" --pairs "${PAIRS:-6}" \
+    --steps 8 --warmup "${WARMUP:-2}" 2> "$OUT/musubi.err" | tail -n 1 > "$OUT/musubi_interleaved_${SWAP:-12}_h200.json"
+  tail -1 "$OUT/musubi.err"
   timeout "$(left)" python3 -m bench.interleaved --mode budget_12_of_24_act --budget-gib "${BUDGET_GIB:-4.8699}" \
     --pairs "${PAIRS:-6}" --steps 8 --warmup "${WARMUP:-2}" ${CLOCKS:+--clocks} > "$OUT/interleaved_budget_12_of_24_act_h200.json"
   ;;
