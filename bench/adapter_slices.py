@@ -17,7 +17,7 @@ import json
 import torch
 from torch.nn import functional as F
 
-from diffsynth_core.training.adapter_inputs import GRAD_SLICE_BYTES, SLICE_ROWS, project_down
+from diffsynth_core.training.adapter_inputs import project_down, rows_per_slice
 
 TOKENS = (256, 1024, 2048, 4096, 4608, 8192, 12288, 16384)
 WIDTHS = (3072, 5120, 8960, 12288, 13824, 15360)
@@ -35,8 +35,7 @@ def main() -> None:
         ours = torch.autograd.grad(project_down(x, w), (x, w), grad_out)
         theirs = torch.autograd.grad(F.linear(x.float(), w), (x, w), grad_out)
         shapes += 1
-        per_slice = GRAD_SLICE_BYTES // (width * 4) // SLICE_ROWS * SLICE_ROWS  # as _input_grad cuts them
-        sliced += tokens % SLICE_ROWS == 0 and tokens > per_slice
+        sliced += rows_per_slice(tokens, w) > 0
         if not all(torch.equal(a, b) for a, b in zip(ours, theirs)):
             not_bitwise.append((tokens, width, rank))
     print(json.dumps({"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "shapes": shapes,

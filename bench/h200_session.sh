@@ -84,8 +84,8 @@ diagnose)
   ;;
 pair)
   timeout 190 python3 -m bench.musubi_harness --musubi-file "$2" --blocks-to-swap "${SWAP:-12}" --pairs "${PAIRS:-6}" \
-    --steps 8 --warmup "${WARMUP:-2}" 2> "$OUT/musubi.err" | tail -n 1 > "$OUT/musubi_interleaved_${SWAP:-12}_h200.json"
-  tail -1 "$OUT/musubi.err"
+    --steps 8 --warmup "${WARMUP:-2}" 2> /tmp/musubi.err | tail -n 1 > "$OUT/musubi_interleaved_${SWAP:-12}_h200.json"
+  tail -1 /tmp/musubi.err  # the log stays out of $OUT, as in three and rows: at most 8 files come back
   timeout "$(left)" python3 -m bench.interleaved --mode budget_12_of_24_act --budget-gib "${BUDGET_GIB:-4.8699}" \
     --pairs "${PAIRS:-6}" --steps 8 --warmup "${WARMUP:-2}" ${CLOCKS:+--clocks} > "$OUT/interleaved_budget_12_of_24_act_h200.json"
   ;;

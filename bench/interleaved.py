@@ -249,6 +249,8 @@ def main() -> None:
     ap.add_argument("--clocks", action="store_true", help="each side's mean SM clock, power and clock-event "
                     "reasons over its timed steps (bench/gpu_clocks.py, NVML)")
     args = ap.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error("no CUDA device here: --device cpu --size tiny checks the script on a CPU")
     from diffsynth_core.training.device import avoid_broken_kernels
 
     device = avoid_broken_kernels(args.device)

@@ -67,6 +67,9 @@ def main() -> None:
     if not Path(args.musubi_file).is_file():
         ap.error(f"--musubi-file {args.musubi_file}: no such file (musubi-tuner's "
                  "src/musubi_tuner/modules/custom_offloading_utils.py)")
+    depth = SIZES[args.size][0]
+    if not 0 <= args.blocks_to_swap <= depth:
+        ap.error(f"--blocks-to-swap {args.blocks_to_swap}: the {args.size} stack has {depth} blocks")
     if args.ours:
         if args.budget_gib is None or args.pairs < 1:
             ap.error("--ours needs --budget-gib (our row's budget, as alone) and --pairs (rounds, best a multiple of 6)")

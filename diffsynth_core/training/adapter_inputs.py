@@ -54,14 +54,22 @@ class _DownProjection(torch.autograd.Function):
         return grad_x, grad_weight
 
 
+def rows_per_slice(rows: int, weight: torch.Tensor) -> int:
+    """How many of ``rows`` rows of ``x``'s gradient ``_input_grad`` makes at a time (whole multiples
+    of ``SLICE_ROWS`` within ``GRAD_SLICE_BYTES``), or 0 where it makes the gradient whole: it fits in
+    one slice, or the rows do not divide into ``SLICE_ROWS``."""
+    per_slice = GRAD_SLICE_BYTES // max(1, weight.shape[1] * weight.element_size()) // SLICE_ROWS * SLICE_ROWS
+    return per_slice if per_slice and rows > per_slice and rows % SLICE_ROWS == 0 else 0
+
+
 def _input_grad(grad_2d: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``grad_2d.mm(weight).to(dtype)``, in slices of rows of at most ``GRAD_SLICE_BYTES`` before
     their cast where the rows divide into ``SLICE_ROWS``.  Each row of the product is its own sum over
     the adapter's rank; that a slice's kernel sums it as the whole product's does is measured, not
     promised by cuBLAS (``SLICE_ROWS``)."""
     rows = grad_2d.shape[0]
-    per_slice = GRAD_SLICE_BYTES // max(1, weight.shape[1] * weight.element_size()) // SLICE_ROWS * SLICE_ROWS
-    if per_slice == 0 or rows <= per_slice or rows % SLICE_ROWS:
+    per_slice = rows_per_slice(rows, weight)
+    if not per_slice:
         return grad_2d.mm(weight).to(dtype)
     out = torch.empty(rows, weight.shape[1], dtype=dtype, device=grad_2d.device)
     for start in range(0, rows, per_slice):
