@@ -34,6 +34,12 @@
 #                                                # three in turn), PROCS=3 processes (bench/musubi_harness.py --ours);
 #                                                # SWAP=13: musubi swapping 13 blocks, so that its memory is
 #                                                # the row's (files three_way_swap13_r*); BUDGET_GIB: our row's
+#   bench/h200_session.sh floor                  # resident, the 12-of-24 row's bytes beside resident compute
+#                                                # ("floor": no engine) and the row, rotated in one process
+#                                                # (bench/interleaved.py --floor; ROUNDS=12, PROCS=3, CLOCKS=1:
+#                                                # NVML; COPY_GIB: the row's weight bytes a step / 24)
+#                                                # TAG=b: files floor_MODE_b_r*; FLOOR=gated: the
+#                                                # floor's copies wait for compute, as a ring's do
 #   bench/h200_session.sh rows                   # RUNS="MODE@BUDGET_GIB ...": bench/interleaved.py rows, one
 #                                                # process each (PAIRS=6), e.g. the 12-of-24 row with its
 #                                                # blocks split into their Linears (budget_12_of_24_act_leaves);
@@ -98,6 +104,18 @@ three)
       --warmup "${WARMUP:-2}" 2> "/tmp/three_$i.err" | tail -n 1 > "$json"  # musubi prints a line of its own
     echo "process $i:"; grep "^round" "/tmp/three_$i.err"
     [ -s "$json" ] || tail -3 "/tmp/three_$i.err"
+  done
+  ;;
+floor)
+  for i in $(seq "${PROCS:-3}"); do
+    [ "$(left)" -ge 170 ] || break
+    json=$OUT/floor_${MODE:-budget_12_of_24_act}${TAG:+_$TAG}_r${i}_h200.json
+    err=/tmp/floor_r$i.err  # not in $OUT: at most 8 files come back; the rounds are printed
+    timeout "${ROW_S:-200}" python3 -m bench.interleaved --mode "${MODE:-budget_12_of_24_act}" --floor "${FLOOR:-plain}" \
+      --budget-gib "${BUDGET_GIB:-4.8699}" --copy-gib "${COPY_GIB:-0.1758}" --pairs "${ROUNDS:-12}" --steps 8 \
+      --warmup "${WARMUP:-2}" ${CLOCKS:+--clocks} > "$json" 2> "$err"
+    echo "process $i:"; grep "^round" "$err"
+    [ -s "$json" ] || tail -3 "$err"
   done
   ;;
 rows)

@@ -16,7 +16,9 @@ Linears), + ``_bwdstep`` (optimizer steps during backward, each segment with an 
 Diagnoses of where a row's time goes: ``resident_copies[_gated][_arena]`` (the bytes
 alone, beside resident compute), a row + ``_nocopy`` (its schedule without its copies), +
 ``_samecopy`` (its copies, bringing bytes the slot already holds) and + ``_timed`` (its copies'
-rates, and how long compute waited for each).
+rates, and how long compute waited for each).  ``--floor --copy-gib G``: resident, the row's bytes
+beside resident compute ("floor") and the row, rotated (``rotate``), so the row is measured
+against what its bytes alone cost in the same rounds.
 """
 
 from __future__ import annotations
@@ -248,7 +250,15 @@ def main() -> None:
     ap.add_argument("--budget-gib", type=float, default=None)
     ap.add_argument("--clocks", action="store_true", help="each side's mean SM clock, power and clock-event "
                     "reasons over its timed steps (bench/gpu_clocks.py, NVML)")
+    ap.add_argument("--floor", nargs="?", const="plain", choices=("plain", "gated"), default=None,
+                    help="rotate three sides, --pairs rounds (rotate): resident, 'floor' (resident with --copy-gib "
+                    "copied beside every other block's forward and recompute, and the row's block inputs offloaded "
+                    "if it offloads them: its bytes, no engine; 'gated': each copy waits for the compute queued "
+                    "before it, as a copy into a ring's slot waits for the slot) and 'ours' (--mode); ratios "
+                    "floor/resident, ours/resident, ours/floor")
     args = ap.parse_args()
+    if args.floor and args.copy_gib <= 0:
+        ap.error("--floor needs --copy-gib: the row's weight bytes a step / 24, in GiB")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error("no CUDA device here: --device cpu --size tiny checks the script on a CPU")
     from diffsynth_core.training.device import avoid_broken_kernels
@@ -261,11 +271,31 @@ def main() -> None:
         args.sampler = ClockSampler(device.index or 0)
     model, x = build(args.size, device, lora_input=args.lora_input)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=device.type == "cuda")
+    if args.floor:
+        print(json.dumps(floor_rounds(model, x, opt, device, args)))
+        if args.sampler is not None:
+            args.sampler.stop()
+        return
     alternated = alternate(lambda side: segment(model, x, opt, device, side, args), args.mode, args.pairs, args.warmup)
     if args.sampler is not None:
         args.sampler.stop()
     peaks = {side: max((p[side]["peak_gib"] or 0) for p in alternated["pairs"]) or None for side in ("resident", "engine")}
     print(json.dumps({"mode": args.mode, "budget_gib": args.budget_gib, **alternated, "peak_gib": peaks}))
+
+
+def floor_rounds(model, x, opt, device, args) -> dict:
+    """``--floor``: is the row slower than the bytes it moves?  'floor' moves as many bytes beside
+    resident compute as the row does (``--copy-gib`` a copy, 24 copies a step; the block inputs'
+    round trips when the row has them, by the same ``offload_activations``) with no engine's
+    scheduling; rotated with resident and the row, ours/floor is what the engine adds to its
+    bytes' own cost and floor/resident that cost on this machine at this moment."""
+    modes = {"resident": "resident",
+             "floor": "resident_copies" + ("_gated" if args.floor == "gated" else "") + ("_act" if "_act" in args.mode else ""),
+             "ours": args.mode}
+    out = rotate(lambda side: segment(model, x, opt, device, modes[side], args), tuple(modes), args.pairs,
+                 args.warmup)
+    return {"mode": f"floor_{args.floor}_{args.mode}", "budget_gib": args.budget_gib, "copy_gib": args.copy_gib,
+            "sides": modes, **out}
 
 
 def steps_in_ms(out: dict) -> None:

@@ -30,3 +30,34 @@ def test_every_order_in_turn_and_ratios_within_each_round():
     assert abs(out["mean_ratio"]["ours/musubi"] - base["ours"] / base["musubi"]) < 0.0015
     assert abs(out["mean_ratio"]["ours/resident"] - base["ours"] / base["resident"]) < 0.0015
     assert first["resident"]["step_ms_all"] == [round(first["resident"]["step_s"] * 1e3, 2)] * 2
+
+
+def _interleaved(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "bench.interleaved", "--mode", "budget_12_of_24_act", "--budget-gib",
+                           "1", "--size", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "1", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_floor_rotates_resident_the_rows_bytes_and_the_row():
+    """``--floor``: the row's bytes beside resident compute with its block inputs offloaded as the row
+    offloads them ("floor"), rotated with resident and the row itself (attached: it reports its plan)."""
+    import json
+
+    for floor, copies in (("plain", "resident_copies_act"), ("gated", "resident_copies_gated_act")):
+        run = _interleaved("--floor", floor, "--copy-gib", "0.0001", "--pairs", "1")
+        assert run.returncode == 0, run.stderr
+        out = json.loads(run.stdout)
+        assert out["sides"] == {"resident": "resident", "floor": copies, "ours": "budget_12_of_24_act"}
+        (round_,) = out["rounds"]
+        assert set(round_["ratios"]) == {"floor/resident", "ours/resident", "ours/floor"}
+        assert round_["ratios"]["ours/floor"] == round_["ours"]["step_s"] / round_["floor"]["step_s"]
+        assert "resident_units" in round_["ours"] and "resident_units" not in round_["floor"]
+
+
+def test_floor_without_its_bytes_is_one_line():
+    run = _interleaved("--floor")
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.strip().splitlines()[-1].endswith("--floor needs --copy-gib: the row's weight bytes a step / 24, in GiB")
