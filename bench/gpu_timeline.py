@@ -101,17 +101,23 @@ def lead_steps(step, model, steps: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", required=True, type=lambda v: v.split(","),
-                    help="MODE[:BUDGET_GIB],...: resident, resident_act, or a side_by_side row")
+                    help="MODE[:BUDGET_GIB],...: resident, resident_act, resident_copies_act (with --copy-gib: "
+                    "a row's bytes beside resident compute), or a side_by_side row")
     ap.add_argument("--size", choices=sorted(SIZES), default="full")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2, help="each mode profiled this many times, in turn")
     ap.add_argument("--min-gap-us", type=float, default=5.0)
+    ap.add_argument("--copy-gib", type=float, default=0.0,
+                    help="resident_copies[_gated][_act] modes (bench/interleaved.py): GiB a copy, e.g. 0.1758, "
+                    "the 12-of-24 row's weight bytes a step / 24 (its floor)")
     ap.add_argument("--lead-steps", type=int, default=0,
                     help="CUDA: after each profiled step, this many unprofiled steps with HostLead markers")
     ap.add_argument("--trace-dir", type=Path, default=None,
                     help="keep each profiled step's device events and runtime calls there (MODE_ROUND.json.gz)")
     a = ap.parse_args()
+    if any(m.startswith("resident_copies") for m in a.modes) and a.copy_gib <= 0:
+        ap.error("a resident_copies mode needs --copy-gib (GiB a copy)")
     from diffsynth_core.training.device import avoid_broken_kernels
 
     device = avoid_broken_kernels(a.device)
@@ -123,7 +129,7 @@ def main() -> None:
     for round_ in range(a.rounds):
         for spec in a.modes:
             mode, _, budget = spec.partition(":")
-            args = SimpleNamespace(size=a.size, budget_gib=float(budget) if budget else None, copy_gib=0.0)
+            args = SimpleNamespace(size=a.size, budget_gib=float(budget) if budget else None, copy_gib=a.copy_gib)
             with side(model, device, mode, args) as mgr:
                 keep = a.trace_dir / f"{mode}_{round_}.json.gz" if a.trace_dir is not None else None
                 figures = profiled_step(stack_step(model, x, opt, mgr), device, a.warmup, a.min_gap_us, keep)

@@ -46,7 +46,9 @@
 #                                                # CLOCKS=1: each side's SM clock and power (NVML)
 #   bench/h200_session.sh sources                # copies beside resident compute, by the host memory they read
 #                                                # (bench/copy_sources.py)
-#   bench/h200_session.sh timeline               # where the 12-of-24 row's time goes (bench/gpu_timeline.py),
+#   bench/h200_session.sh timeline               # where the 12-of-24 row's time goes (bench/gpu_timeline.py;
+#                                                # MODES=resident_act,resident_copies_act,budget_12_of_24_act:4.8699:
+#                                                # the row's kernels beside its floor's, COPY_GIB a copy),
 #                                                # then that row interleaved with resident (PAIRS=12), and
 #                                                # every offload GPU test
 # Install the carried wheels with --no-deps (pip --target resolves dependencies only among the
@@ -136,7 +138,7 @@ sources)
 timeline)
   # (--trace-dir: each profiled step's device events, brought back in one tar: at most 8 files come back)
   timeout 200 python3 -m bench.gpu_timeline --lead-steps "${LEAD_STEPS:-6}" --trace-dir /tmp/traces \
-    --modes "${MODES:-resident,resident_act,budget_12_of_24_act:4.8546,static_12_of_24_act:2.6374}" \
+    --modes "${MODES:-resident,resident_act,budget_12_of_24_act:4.8546,static_12_of_24_act:2.6374}" --copy-gib "${COPY_GIB:-0.1758}" \
     > "$OUT/gpu_timeline_h200.json" 2> "$OUT/gpu_timeline.err"; tail -2 "$OUT/gpu_timeline.err"
   tar -C /tmp -cf "$OUT/traces.tar" traces
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -k "not nccl" tests/core/offload \
