@@ -64,6 +64,19 @@ OUT=${OUT:-./h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 deadline=$((SECONDS + ${BUDGET_S:-570}))
 left() { echo $((deadline - SECONDS)); }
+# rotated NAME CMD...: PROCS processes of a rotated bench (three sides a round), while 170 s are left;
+# each one's JSON in $OUT/NAME_rI_h200.json (its last line: musubi-tuner prints one of its own), its
+# log in /tmp (at most 8 files come back), its rounds printed, and the log's tail when no JSON came
+rotated() {
+  local name=$1 i json err; shift
+  for i in $(seq "${PROCS:-3}"); do
+    [ "$(left)" -ge 170 ] || break
+    json=$OUT/${name}_r${i}_h200.json; err=/tmp/${name}_r$i.err
+    timeout "${ROW_S:-200}" "$@" 2> "$err" | tail -n 1 > "$json"
+    echo "process $i:"; grep "^round" "$err"
+    [ -s "$json" ] || { tail -3 "$err"; rm -f "$json"; }  # no empty file to come back or be pooled
+  done
+}
 case "$1" in
 benches)
   nvidia-smi --query-gpu=name,memory.used,memory.total,pcie.link.gen.current,pcie.link.width.current \
@@ -98,27 +111,14 @@ pair)
     --pairs "${PAIRS:-6}" --steps 8 --warmup "${WARMUP:-2}" ${CLOCKS:+--clocks} > "$OUT/interleaved_budget_12_of_24_act_h200.json"
   ;;
 three)
-  for i in $(seq "${PROCS:-3}"); do
-    [ "$(left)" -ge 170 ] || break
-    json=$OUT/three_way${SWAP:+_swap$SWAP}_r${i}_h200.json
-    timeout "${ROW_S:-200}" python3 -m bench.musubi_harness --musubi-file "$2" --blocks-to-swap "${SWAP:-12}" \
-      --ours "${MODE:-budget_12_of_24_act}" --budget-gib "${BUDGET_GIB:-4.8699}" --pairs "${ROUNDS:-12}" --steps 8 \
-      --warmup "${WARMUP:-2}" 2> "/tmp/three_$i.err" | tail -n 1 > "$json"  # musubi prints a line of its own
-    echo "process $i:"; grep "^round" "/tmp/three_$i.err"
-    [ -s "$json" ] || tail -3 "/tmp/three_$i.err"
-  done
+  rotated "three_way${SWAP:+_swap$SWAP}" python3 -m bench.musubi_harness --musubi-file "$2" \
+    --blocks-to-swap "${SWAP:-12}" --ours "${MODE:-budget_12_of_24_act}" --budget-gib "${BUDGET_GIB:-4.8699}" \
+    --pairs "${ROUNDS:-12}" --steps 8 --warmup "${WARMUP:-2}"
   ;;
 floor)
-  for i in $(seq "${PROCS:-3}"); do
-    [ "$(left)" -ge 170 ] || break
-    json=$OUT/floor_${MODE:-budget_12_of_24_act}${TAG:+_$TAG}_r${i}_h200.json
-    err=/tmp/floor_r$i.err  # not in $OUT: at most 8 files come back; the rounds are printed
-    timeout "${ROW_S:-200}" python3 -m bench.interleaved --mode "${MODE:-budget_12_of_24_act}" --floor "${FLOOR:-plain}" \
-      --budget-gib "${BUDGET_GIB:-4.8699}" --copy-gib "${COPY_GIB:-0.1758}" --pairs "${ROUNDS:-12}" --steps 8 \
-      --warmup "${WARMUP:-2}" ${CLOCKS:+--clocks} > "$json" 2> "$err"
-    echo "process $i:"; grep "^round" "$err"
-    [ -s "$json" ] || tail -3 "$err"
-  done
+  rotated "floor_${MODE:-budget_12_of_24_act}${TAG:+_$TAG}" python3 -m bench.interleaved \
+    --mode "${MODE:-budget_12_of_24_act}" --floor "${FLOOR:-plain}" --budget-gib "${BUDGET_GIB:-4.8699}" \
+    --copy-gib "${COPY_GIB:-0.1758}" --pairs "${ROUNDS:-12}" --steps 8 --warmup "${WARMUP:-2}" ${CLOCKS:+--clocks}
   ;;
 rows)
   i=0

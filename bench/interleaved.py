@@ -272,26 +272,28 @@ def main() -> None:
     model, x = build(args.size, device, lora_input=args.lora_input)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=device.type == "cuda")
     if args.floor:
-        print(json.dumps(floor_rounds(model, x, opt, device, args)))
-        if args.sampler is not None:
-            args.sampler.stop()
-        return
-    alternated = alternate(lambda side: segment(model, x, opt, device, side, args), args.mode, args.pairs, args.warmup)
+        doc = floor_rounds(model, x, opt, device, args)
+    else:
+        alternated = alternate(lambda side: segment(model, x, opt, device, side, args), args.mode, args.pairs,
+                               args.warmup)
+        peaks = {side: max((p[side]["peak_gib"] or 0) for p in alternated["pairs"]) or None
+                 for side in ("resident", "engine")}
+        doc = {"mode": args.mode, "budget_gib": args.budget_gib, **alternated, "peak_gib": peaks}
     if args.sampler is not None:
         args.sampler.stop()
-    peaks = {side: max((p[side]["peak_gib"] or 0) for p in alternated["pairs"]) or None for side in ("resident", "engine")}
-    print(json.dumps({"mode": args.mode, "budget_gib": args.budget_gib, **alternated, "peak_gib": peaks}))
+    print(json.dumps(doc))
 
 
 def floor_rounds(model, x, opt, device, args) -> dict:
     """``--floor``: is the row slower than the bytes it moves?  'floor' moves as many bytes beside
-    resident compute as the row does (``--copy-gib`` a copy, 24 copies a step; the block inputs'
-    round trips when the row has them, by the same ``offload_activations``) with no engine's
-    scheduling; rotated with resident and the row, ours/floor is what the engine adds to its
-    bytes' own cost and floor/resident that cost on this machine at this moment."""
-    modes = {"resident": "resident",
-             "floor": "resident_copies" + ("_gated" if args.floor == "gated" else "") + ("_act" if "_act" in args.mode else ""),
-             "ours": args.mode}
+    resident compute as the row does (``--copy-gib`` a copy at every other block's forward and
+    recompute, 24 a step in the full stack; the block inputs' round trips when the row has them, by
+    the same ``offload_activations``) with no engine's scheduling; rotated with resident and the
+    row, ours/floor is what the engine adds to its bytes' own cost and floor/resident that cost on
+    this machine at this moment."""
+    # ``side`` reads the floor's variants from its name (resident_copies[_gated][_act])
+    floor = "resident_copies" + ("_gated" if args.floor == "gated" else "") + ("_act" if "_act" in args.mode else "")
+    modes = {"resident": "resident", "floor": floor, "ours": args.mode}
     out = rotate(lambda side: segment(model, x, opt, device, modes[side], args), tuple(modes), args.pairs,
                  args.warmup)
     return {"mode": f"floor_{args.floor}_{args.mode}", "budget_gib": args.budget_gib, "copy_gib": args.copy_gib,

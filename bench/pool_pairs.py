@@ -3,8 +3,9 @@
     python3 bench/pool_pairs.py bench/results/interleaved_budget_12_of_24_act_sliced_*_h200.json
     python3 bench/pool_pairs.py --ratio ours/musubi bench/results/three_way_swap13_*_h200.json
 
-``--ratio KEY``: files of ``bench/musubi_harness.py --ours`` (``interleaved.rotate``'s rounds), the
-rounds' ratio KEY (``musubi/resident``, ``ours/resident`` or ``ours/musubi``) in place of the pairs'.
+``--ratio KEY``: files of ``interleaved.rotate``'s rounds, the rounds' ratio KEY in place of the
+pairs': ``bench/musubi_harness.py --ours`` (``musubi/resident``, ``ours/resident``, ``ours/musubi``)
+or ``bench/interleaved.py --floor`` (``floor/resident``, ``ours/resident``, ``ours/floor``).
 
 One process's pairs share what that process was dealt (its machine, its allocations), so the unit
 of this estimate is the process: each file's mean pair ratio (with as many pairs in each order, an
@@ -28,13 +29,19 @@ def ratios_in(doc: dict, key: str | None) -> list[float]:
     """A file's pair ratios, or (``key``) its rounds' ratio ``key``."""
     if key is None:
         return [p["ratio"] for p in doc["pairs"]]
-    return [r["ratios"][key] for r in doc["rounds"]]
+    rounds = doc["rounds"]
+    if rounds and key not in rounds[0]["ratios"]:
+        raise ValueError(f"no ratio {key} in its rounds, which have {', '.join(rounds[0]['ratios'])}")
+    return [r["ratios"][key] for r in rounds]
 
 
 def pool(paths: list[Path], key: str | None = None) -> dict:
     files = {}
     for path in paths:
-        ratios = ratios_in(json.loads(path.read_text()), key)
+        try:
+            ratios = ratios_in(json.loads(path.read_text()), key)
+        except (KeyError, ValueError) as exc:  # not JSON, or not of this kind: say which file
+            raise ValueError(f"{path}: {exc.__class__.__name__}: {exc}") from exc
         files[path.stem] = {"pairs": len(ratios), "median": round(statistics.median(ratios), 4),
                             "mean": round(statistics.mean(ratios), 4)}
     means = [f["mean"] for f in files.values()]
@@ -54,8 +61,8 @@ def main() -> None:
     try:
         print(json.dumps(pool(args.files, args.ratio), indent=1))
     except (OSError, ValueError, KeyError) as exc:  # a missing file, not JSON, or not of this kind
-        ap.exit(2, f"pool_pairs: {exc.__class__.__name__}: {exc} (files of bench/interleaved.py, "
-                   f"musubi_harness --pairs, or with --ratio of musubi_harness --ours)\n")
+        ap.exit(2, f"pool_pairs: {exc} (files of bench/interleaved.py or musubi_harness --pairs; with --ratio, "
+                   f"of musubi_harness --ours or interleaved.py --floor)\n")
 
 
 if __name__ == "__main__":

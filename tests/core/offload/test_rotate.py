@@ -1,6 +1,9 @@
 """bench/interleaved.rotate: every side in every position, and each round's ratios between the sides."""
 
 import itertools
+import json
+import subprocess
+import sys
 
 from bench.interleaved import rotate
 
@@ -33,9 +36,6 @@ def test_every_order_in_turn_and_ratios_within_each_round():
 
 
 def _interleaved(*args):
-    import subprocess
-    import sys
-
     return subprocess.run([sys.executable, "-m", "bench.interleaved", "--mode", "budget_12_of_24_act", "--budget-gib",
                            "1", "--size", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "1", *args],
                           capture_output=True, text=True, timeout=300)
@@ -44,8 +44,6 @@ def _interleaved(*args):
 def test_floor_rotates_resident_the_rows_bytes_and_the_row():
     """``--floor``: the row's bytes beside resident compute with its block inputs offloaded as the row
     offloads them ("floor"), rotated with resident and the row itself (attached: it reports its plan)."""
-    import json
-
     for floor, copies in (("plain", "resident_copies_act"), ("gated", "resident_copies_gated_act")):
         run = _interleaved("--floor", floor, "--copy-gib", "0.0001", "--pairs", "1")
         assert run.returncode == 0, run.stderr
