@@ -77,13 +77,15 @@ def sources(kind: str, nbytes: int, count: int, keep: list) -> tuple[list[torch.
 
 
 def copy_hooks(model, regions: list[torch.Tensor], scratch: torch.Tensor, side: torch.cuda.Stream) -> list:
-    """At every block's forward (and recompute), one copy from the next region, on ``side``."""
+    """At every block's forward and recompute, one copy from the next region, on ``side``: hooked on
+    the block's first Linear, as the recompute of a checkpointed block skips the block's own hooks
+    (``bench/interleaved.py``'s ``CopiesBesideCompute``)."""
     turn = itertools.count()
 
     def copy(_module, _args):
         with torch.cuda.stream(side):
             scratch.copy_(regions[next(turn) % len(regions)], non_blocking=True)
-    return [block.register_forward_pre_hook(copy) for block in model.blocks]
+    return [block.qkv.register_forward_pre_hook(copy) for block in model.blocks]
 
 
 def main() -> None:

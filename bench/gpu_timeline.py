@@ -130,11 +130,13 @@ def main() -> None:
         for spec in a.modes:
             mode, _, budget = spec.partition(":")
             args = SimpleNamespace(size=a.size, budget_gib=float(budget) if budget else None, copy_gib=a.copy_gib)
-            with side(model, device, mode, args) as mgr:
+            with side(model, device, mode, args) as (mgr, copies):
                 keep = a.trace_dir / f"{mode}_{round_}.json.gz" if a.trace_dir is not None else None
                 figures = profiled_step(stack_step(model, x, opt, mgr), device, a.warmup, a.min_gap_us, keep)
                 if a.lead_steps and device.type == "cuda":
                     figures["lead"] = lead_steps(stack_step(model, x, opt, mgr), model, a.lead_steps)
+                if copies is not None:
+                    figures["copies"] = copies.copies  # warm-up and profiled steps, lead steps included
                 if mgr is not None:
                     figures["h2d_gb"] = mgr.report()["last_step_h2d_bytes"] / 1e9
                     figures["resident_at"] = sorted(u.index for u in mgr.plan.budget)

@@ -37,7 +37,7 @@ from bench.dit_stack import LORA_INPUTS, SIZES, build, stack_step, timed_steps
 from bench.side_by_side import engine_options
 
 
-def copies_beside_compute(model, device, nbytes: int, gated: bool = False, arena: bool = False) -> list:
+class CopiesBesideCompute:
     """``resident_copies``: a host->device copy of ``nbytes`` (one streamed block's) on a side stream
     at every other block's forward and recompute, into a buffer compute never reads, so compute
     never waits for one.  What moving a 12-of-24 step's bytes costs the compute beside it (copy
@@ -46,46 +46,51 @@ def copies_beside_compute(model, device, nbytes: int, gated: bool = False, arena
     run, as the engine's copies wait for their slot; otherwise they start as soon as the host,
     running ahead of the GPU, issues them.  ``arena`` (``resident_copies_arena``): the copies read 12
     blocks' worth of host memory page-locked in place (``HostArena``, as the engine's weights are),
-    a different block's region each time, instead of one buffer from ``cudaHostAlloc``."""
-    from diffsynth_core.offload.arena import HostArena
+    a different block's region each time, instead of one buffer from ``cudaHostAlloc``.
 
-    blocks = model.blocks[1::2]
-    if arena:
-        host_arena = HostArena(len(blocks) * nbytes)
-        host_arena.buffer.fill_(1)  # touched, as weights copied in would be
-        if device.type == "cuda":
-            host_arena.pin()
-        sources = [host_arena.region(i * nbytes, nbytes) for i in range(len(blocks))]
-    else:
-        sources = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")]
-    scratch = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+    The hooks sit on each block's first Linear (``qkv``), not on the block: gradient checkpointing
+    replaces ``block.forward``, and its recompute calls the block's own forward directly, so a hook
+    on the block fires in the forward only (12 copies a step, half the row's bytes: the ninth
+    session's floor) while one on ``qkv`` fires in the recompute too (24).  ``copies`` counts them."""
 
-    def copier(source):
+    def __init__(self, model, device, nbytes: int, gated: bool = False, arena: bool = False):
+        from diffsynth_core.offload.arena import HostArena
+
+        blocks = model.blocks[1::2]
+        self.nbytes, self.copies, self.arena = nbytes, 0, None
+        if arena:
+            self.arena = HostArena(len(blocks) * nbytes)
+            self.arena.buffer.fill_(1)  # touched, as weights copied in would be
+            if device.type == "cuda":
+                self.arena.pin()
+            sources = [self.arena.region(i * nbytes, nbytes) for i in range(len(blocks))]
+        else:
+            sources = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")]
+        self.scratch = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.gated, self.device = gated, device
+        self.hooks = [block.qkv.register_forward_pre_hook(self._copier(sources[i % len(sources)]))
+                      for i, block in enumerate(blocks)]
+
+    def _copier(self, source):
         def copy(_module, _args):
-            if side is None:
-                scratch.copy_(source)
+            self.copies += 1
+            if self.stream is None:
+                self.scratch.copy_(source)
                 return
-            if gated:
-                side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                scratch.copy_(source, non_blocking=True)
+            if self.gated:
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                self.scratch.copy_(source, non_blocking=True)
         return copy
-    hooks = [block.register_forward_pre_hook(copier(sources[i % len(sources)])) for i, block in enumerate(blocks)]
-    if arena:  # unpinned with the hooks: the next side's arena may get the same addresses ("already mapped")
-        hooks.append(ReleaseOnRemove(host_arena))
-    return hooks
-
-
-class ReleaseOnRemove:
-    """A "hook" whose ``remove()`` unpins ``arena`` once no queued copy reads it."""
-
-    def __init__(self, arena):
-        self.arena = arena
 
     def remove(self) -> None:
-        from diffsynth_core.offload.arena import release_all
-        release_all([self.arena])
+        for hook in self.hooks:
+            hook.remove()
+        if self.arena is not None:  # unpinned with the hooks: the next side's arena may get the same addresses
+            from diffsynth_core.offload.arena import release_all
+
+            release_all([self.arena])
 
 
 def skip_repeat_copies(streamer, recopy: bool = False) -> None:
@@ -170,15 +175,16 @@ def engine_mode(mode: str) -> str:
 def side(model, device, mode: str, args):
     """``model`` set up as one side runs: ``mode`` "resident" (``resident_copies``: with copies beside
     it; ``resident_act``: with the checkpointed block inputs in host memory), or one of our rows
-    attached; yields our engine (``None`` when resident) and undoes everything on exit."""
+    attached; yields our engine (``None`` when resident) and the copies beside resident compute
+    (``CopiesBesideCompute``, or ``None``), and undoes everything on exit."""
     from diffsynth_core.gradient import apply_gradient_checkpointing, remove_gradient_checkpointing
     from diffsynth_core.offload import OffloadTrainingManager
 
     apply_gradient_checkpointing(model, ("blocks",), offload_activations="_act" in mode)
-    mgr, hooks = None, []
+    mgr, copies = None, None
     if mode.startswith("resident_copies"):
-        hooks = copies_beside_compute(model, device, int(args.copy_gib * 2**30), gated="_gated" in mode,
-                                      arena="_arena" in mode)
+        copies = CopiesBesideCompute(model, device, int(args.copy_gib * 2**30), gated="_gated" in mode,
+                                     arena="_arena" in mode)
     elif not mode.startswith("resident"):  # resident_act: resident, block inputs offloaded
         mgr = OffloadTrainingManager(model, device, block_container_names=("blocks",),
                                      **engine_options(engine_mode(mode), args.size, args.budget_gib))
@@ -187,7 +193,7 @@ def side(model, device, mode: str, args):
         if mode.endswith("_timed") and device.type == "cuda":
             mgr.copy_waits = CopyWaits(mgr)
     try:
-        yield mgr
+        yield mgr, copies
     finally:
         if mgr is not None:
             streamer = mgr.streamer
@@ -196,8 +202,8 @@ def side(model, device, mode: str, args):
             for obj, names in ((streamer, ("_copy", "wait_ready")), (mgr, ("_use", "copy_waits"))):
                 for name in names:
                     obj.__dict__.pop(name, None)
-        for hook in hooks:
-            hook.remove()
+        if copies is not None:
+            copies.remove()
         remove_gradient_checkpointing(model, ("blocks",))
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -214,14 +220,17 @@ def segment(model, x, opt, device, mode: str, args) -> dict:
     if "_bwdstep" in mode:
         opt = torch.optim.AdamW(opt.param_groups[0]["params"], lr=1e-4, fused=device.type == "cuda")
         pager = StepInBackward(opt, skip_nonfinite=device.type == "cuda")
-    with side(model, device, mode, args) as mgr, contextlib.ExitStack() as undo:
+    with side(model, device, mode, args) as (mgr, copies), contextlib.ExitStack() as undo:
         if pager is not None:
             undo.callback(pager.remove)
+        steps_run = args.warmup + args.steps
         out = timed_steps(stack_step(model, x, opt, mgr, pager), device, args.steps, args.warmup)
         out.pop("losses")
         if args.sampler is not None:  # over the timed steps, which end now
             end = time.perf_counter()
             out["clocks"] = args.sampler.window(end - sum(out["step_s_all"][args.warmup:]), end)
+        if copies is not None:  # the floor's weight bytes, to set beside the row's
+            out["h2d_gb_per_step"] = copies.copies / steps_run * copies.nbytes / 1e9
         if mgr is not None:
             rep = mgr.report()
             out.update(resident_units=rep["budget_units"], stalls=rep["stalls"],

@@ -64,7 +64,7 @@ def main() -> None:
     device = avoid_broken_kernels("cuda")
     model, x = build("full", device, lora_input=args.lora_input)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
-    with side(model, device, args.mode, args) as mgr:
+    with side(model, device, args.mode, args) as (mgr, _copies):
         step = stack_step(model, x, opt, mgr)
         for _ in range(args.warmup):
             step()

@@ -53,6 +53,9 @@ def test_floor_rotates_resident_the_rows_bytes_and_the_row():
         assert set(round_["ratios"]) == {"floor/resident", "ours/resident", "ours/floor"}
         assert round_["ratios"]["ours/floor"] == round_["ours"]["step_s"] / round_["floor"]["step_s"]
         assert "resident_units" in round_["ours"] and "resident_units" not in round_["floor"]
+        # every other block of the tiny stack's 4 copies its bytes in the forward and again in the
+        # checkpoint's recompute (a hook on the block itself misses the recompute: half the bytes)
+        assert round_["floor"]["h2d_gb_per_step"] == 4 * int(0.0001 * 2**30) / 1e9
 
 
 def test_floor_without_its_bytes_is_one_line():
