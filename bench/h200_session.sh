@@ -64,6 +64,8 @@ OUT=${OUT:-./h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 deadline=$((SECONDS + ${BUDGET_S:-570}))
 left() { echo $((deadline - SECONDS)); }
+# kept JSON FILE ERR: FILE stays if a run wrote it; otherwise ERR's tail says why, and no empty file comes back
+kept_json() { [ -s "$1" ] && return; tail -3 "$2"; rm -f "$1"; return 1; }
 # rotated NAME CMD...: PROCS processes of a rotated bench (three sides a round), while 170 s are left;
 # each one's JSON in $OUT/NAME_rI_h200.json (its last line: musubi-tuner prints one of its own), its
 # log in /tmp (at most 8 files come back), its rounds printed, and the log's tail when no JSON came
@@ -74,7 +76,7 @@ rotated() {
     json=$OUT/${name}_r${i}_h200.json; err=/tmp/${name}_r$i.err
     timeout "${ROW_S:-200}" "$@" 2> "$err" | tail -n 1 > "$json"
     echo "process $i:"; grep "^round" "$err"
-    [ -s "$json" ] || { tail -3 "$err"; rm -f "$json"; }  # no empty file to come back or be pooled
+    kept_json "$json" "$err" || true  # no empty file to come back or be pooled
   done
 }
 case "$1" in
@@ -106,9 +108,13 @@ diagnose)
 pair)
   timeout 190 python3 -m bench.musubi_harness --musubi-file "$2" --blocks-to-swap "${SWAP:-12}" --pairs "${PAIRS:-6}" \
     --steps 8 --warmup "${WARMUP:-2}" 2> /tmp/musubi.err | tail -n 1 > "$OUT/musubi_interleaved_${SWAP:-12}_h200.json"
-  tail -1 /tmp/musubi.err  # the log stays out of $OUT, as in three and rows: at most 8 files come back
+  # the log stays out of $OUT, as in three and rows (at most 8 files come back); its last line is the result's
+  kept_json "$OUT/musubi_interleaved_${SWAP:-12}_h200.json" /tmp/musubi.err && tail -1 /tmp/musubi.err
   timeout "$(left)" python3 -m bench.interleaved --mode budget_12_of_24_act --budget-gib "${BUDGET_GIB:-4.8699}" \
-    --pairs "${PAIRS:-6}" --steps 8 --warmup "${WARMUP:-2}" ${CLOCKS:+--clocks} > "$OUT/interleaved_budget_12_of_24_act_h200.json"
+    --pairs "${PAIRS:-6}" --steps 8 --warmup "${WARMUP:-2}" ${CLOCKS:+--clocks} > "$OUT/interleaved_budget_12_of_24_act_h200.json" \
+    2> /tmp/interleaved.err
+  grep "^pair" /tmp/interleaved.err
+  kept_json "$OUT/interleaved_budget_12_of_24_act_h200.json" /tmp/interleaved.err || true
   ;;
 three)
   rotated "three_way${SWAP:+_swap$SWAP}" python3 -m bench.musubi_harness --musubi-file "$2" \
@@ -129,7 +135,7 @@ rows)
     timeout "${ROW_S:-150}" python3 -m bench.interleaved --mode "$m" --budget-gib "$gib" --pairs "${PAIRS:-6}" \
       ${CLOCKS:+--clocks} --steps 8 --warmup "${WARMUP:-2}" > "$json" 2> "$err"
     echo "$run (run $i):"; grep "^pair" "$err"
-    [ -s "$json" ] || tail -3 "$err"  # no JSON: why
+    kept_json "$json" "$err" || true
   done
   ;;
 sources)
