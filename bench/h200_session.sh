@@ -64,7 +64,7 @@ OUT=${OUT:-./h200-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 deadline=$((SECONDS + ${BUDGET_S:-570}))
 left() { echo $((deadline - SECONDS)); }
-# kept JSON FILE ERR: FILE stays if a run wrote it; otherwise ERR's tail says why, and no empty file comes back
+# kept_json FILE ERR: FILE stays if a run wrote it; otherwise ERR's tail says why, and no empty file comes back
 kept_json() { [ -s "$1" ] && return; tail -3 "$2"; rm -f "$1"; return 1; }
 # rotated NAME CMD...: PROCS processes of a rotated bench (three sides a round), while 170 s are left;
 # each one's JSON in $OUT/NAME_rI_h200.json (its last line: musubi-tuner prints one of its own), its
