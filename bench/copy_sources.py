@@ -30,7 +30,7 @@ import sys
 
 import torch
 
-from bench.dit_stack import build, stack_step, timed_steps
+from bench.dit_stack import build, hook_every_use, stack_step, timed_steps
 
 HUGE = 2 << 20
 
@@ -77,15 +77,13 @@ def sources(kind: str, nbytes: int, count: int, keep: list) -> tuple[list[torch.
 
 
 def copy_hooks(model, regions: list[torch.Tensor], scratch: torch.Tensor, side: torch.cuda.Stream) -> list:
-    """At every block's forward and recompute, one copy from the next region, on ``side``: hooked on
-    the block's first Linear, as the recompute of a checkpointed block skips the block's own hooks
-    (``bench/interleaved.py``'s ``CopiesBesideCompute``)."""
+    """At every block's forward and recompute (``hook_every_use``), one copy from the next region, on ``side``."""
     turn = itertools.count()
 
     def copy(_module, _args):
         with torch.cuda.stream(side):
             scratch.copy_(regions[next(turn) % len(regions)], non_blocking=True)
-    return [block.qkv.register_forward_pre_hook(copy) for block in model.blocks]
+    return [hook_every_use(block, copy) for block in model.blocks]
 
 
 def main() -> None:

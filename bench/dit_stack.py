@@ -43,6 +43,14 @@ class Block(nn.Module):
         return x + self.down(F.gelu(self.up(F.layer_norm(x, (w,))), approximate="tanh"))
 
 
+def hook_every_use(block: Block, hook):
+    """``hook`` as a forward pre-hook that fires at the block's forward and again at its checkpoint's
+    recompute: registered on its first Linear, because ``apply_gradient_checkpointing`` replaces
+    ``block.forward`` and the recompute calls the block's own forward, so a hook on the block itself
+    fires in the forward only (half a copy-per-use bench's bytes)."""
+    return block.qkv.register_forward_pre_hook(hook)
+
+
 class LoRA(nn.Module):
     """``org(x) + up(down(x))`` with fp32 adapters, installed by replacing ``org.forward``."""
 

@@ -135,8 +135,8 @@ def main() -> None:
                 figures = profiled_step(stack_step(model, x, opt, mgr), device, a.warmup, a.min_gap_us, keep)
                 if a.lead_steps and device.type == "cuda":
                     figures["lead"] = lead_steps(stack_step(model, x, opt, mgr), model, a.lead_steps)
-                if copies is not None:
-                    figures["copies"] = copies.copies  # warm-up and profiled steps, lead steps included
+                if copies is not None:  # over the warm-up, profiled and lead steps, as the row's h2d_gb
+                    figures["h2d_gb"] = copies.gb_per_step(a.warmup + 1 + ("lead" in figures) * a.lead_steps)
                 if mgr is not None:
                     figures["h2d_gb"] = mgr.report()["last_step_h2d_bytes"] / 1e9
                     figures["resident_at"] = sorted(u.index for u in mgr.plan.budget)

@@ -76,7 +76,7 @@ rotated() {
     json=$OUT/${name}_r${i}_h200.json; err=/tmp/${name}_r$i.err
     timeout "${ROW_S:-200}" "$@" 2> "$err" | tail -n 1 > "$json"
     echo "process $i:"; grep "^round" "$err"
-    kept_json "$json" "$err" || true  # no empty file to come back or be pooled
+    kept_json "$json" "$err"  # no empty file to come back or be pooled
   done
 }
 case "$1" in
@@ -114,7 +114,7 @@ pair)
     --pairs "${PAIRS:-6}" --steps 8 --warmup "${WARMUP:-2}" ${CLOCKS:+--clocks} > "$OUT/interleaved_budget_12_of_24_act_h200.json" \
     2> /tmp/interleaved.err
   grep "^pair" /tmp/interleaved.err
-  kept_json "$OUT/interleaved_budget_12_of_24_act_h200.json" /tmp/interleaved.err || true
+  kept_json "$OUT/interleaved_budget_12_of_24_act_h200.json" /tmp/interleaved.err
   ;;
 three)
   rotated "three_way${SWAP:+_swap$SWAP}" python3 -m bench.musubi_harness --musubi-file "$2" \
@@ -135,7 +135,7 @@ rows)
     timeout "${ROW_S:-150}" python3 -m bench.interleaved --mode "$m" --budget-gib "$gib" --pairs "${PAIRS:-6}" \
       ${CLOCKS:+--clocks} --steps 8 --warmup "${WARMUP:-2}" > "$json" 2> "$err"
     echo "$run (run $i):"; grep "^pair" "$err"
-    kept_json "$json" "$err" || true
+    kept_json "$json" "$err"
   done
   ;;
 sources)

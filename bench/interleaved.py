@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from bench.dit_stack import LORA_INPUTS, SIZES, build, stack_step, timed_steps
+from bench.dit_stack import LORA_INPUTS, SIZES, build, hook_every_use, stack_step, timed_steps
 from bench.side_by_side import engine_options
 
 
@@ -48,10 +48,8 @@ class CopiesBesideCompute:
     blocks' worth of host memory page-locked in place (``HostArena``, as the engine's weights are),
     a different block's region each time, instead of one buffer from ``cudaHostAlloc``.
 
-    The hooks sit on each block's first Linear (``qkv``), not on the block: gradient checkpointing
-    replaces ``block.forward``, and its recompute calls the block's own forward directly, so a hook
-    on the block fires in the forward only (12 copies a step, half the row's bytes: the ninth
-    session's floor) while one on ``qkv`` fires in the recompute too (24).  ``copies`` counts them."""
+    The copies hang on ``hook_every_use`` (forward and recompute: 24 a step in the full stack; a hook
+    on the block missed the recompute, the ninth session's floor), and ``copies`` counts them."""
 
     def __init__(self, model, device, nbytes: int, gated: bool = False, arena: bool = False):
         from diffsynth_core.offload.arena import HostArena
@@ -69,8 +67,7 @@ class CopiesBesideCompute:
         self.scratch = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.gated, self.device = gated, device
-        self.hooks = [block.qkv.register_forward_pre_hook(self._copier(sources[i % len(sources)]))
-                      for i, block in enumerate(blocks)]
+        self.hooks = [hook_every_use(block, self._copier(sources[i % len(sources)])) for i, block in enumerate(blocks)]
 
     def _copier(self, source):
         def copy(_module, _args):
@@ -83,6 +80,10 @@ class CopiesBesideCompute:
             with torch.cuda.stream(self.stream):
                 self.scratch.copy_(source, non_blocking=True)
         return copy
+
+    def gb_per_step(self, steps: int) -> float:
+        """The copies' GB a step over the ``steps`` steps run since they were hooked."""
+        return self.copies / steps * self.nbytes / 1e9
 
     def remove(self) -> None:
         for hook in self.hooks:
@@ -223,14 +224,13 @@ def segment(model, x, opt, device, mode: str, args) -> dict:
     with side(model, device, mode, args) as (mgr, copies), contextlib.ExitStack() as undo:
         if pager is not None:
             undo.callback(pager.remove)
-        steps_run = args.warmup + args.steps
         out = timed_steps(stack_step(model, x, opt, mgr, pager), device, args.steps, args.warmup)
         out.pop("losses")
         if args.sampler is not None:  # over the timed steps, which end now
             end = time.perf_counter()
             out["clocks"] = args.sampler.window(end - sum(out["step_s_all"][args.warmup:]), end)
         if copies is not None:  # the floor's weight bytes, to set beside the row's
-            out["h2d_gb_per_step"] = copies.copies / steps_run * copies.nbytes / 1e9
+            out["h2d_gb_per_step"] = copies.gb_per_step(args.warmup + args.steps)
         if mgr is not None:
             rep = mgr.report()
             out.update(resident_units=rep["budget_units"], stalls=rep["stalls"],
