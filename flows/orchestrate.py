@@ -58,10 +58,9 @@ def check_lora_targets_first(cfg: RunConfig, stages: tuple[str, ...], local: boo
     (``local=False``: the stages run on work pools, see ``stages.common.check_lora_targets``)."""
     if "train" not in stages:
         return
-    from diffsynth_core.models import get_family
-    from stages.common import check_lora_targets
+    from stages.common import check_lora_targets, family_of
 
-    check_lora_targets(cfg, get_family(cfg.model.family), local)
+    check_lora_targets(cfg, family_of(cfg), local)
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from cache_store.digests import file_digest
-from diffsynth_core.models import FamilySpec
+from diffsynth_core.models import FamilySpec, get_family
 
 from .config import RunConfig
 from diffsynth_core.errors import InputError
@@ -186,3 +186,20 @@ def encoder_identity(cfg: RunConfig, spec: FamilySpec) -> dict:
     """
     components = {name: component_digests(cfg, spec, name) for name in spec.encoder_components}
     return {"family": spec.name, "components": components}
+
+
+def family_of(cfg: RunConfig) -> FamilySpec:
+    """The family spec a config trains, its variant applied: ``model.variant``, else the one the
+    model files tell (``FamilySpec.variant_of``).  A family with variants whose files cannot tell
+    them apart is refused, naming the choices, rather than guessed."""
+    spec = get_family(cfg.model.family)
+    if not spec.variants:
+        return get_family(cfg.model.family, cfg.model.variant)
+    variant = cfg.model.variant
+    if variant is None and spec.variant_of is not None and cfg.model.path:
+        variant = spec.variant_of(Path(cfg.model.path))
+    if variant is None:
+        choices = ", ".join(sorted(spec.variants))
+        raise InputError(f"model.variant: the files of {cfg.model.path or 'model.path'} do not tell which "
+                         f"{spec.name} variant they are; set model.variant to one of: {choices}")
+    return get_family(cfg.model.family, variant)

@@ -129,6 +129,9 @@ class DatasetSection(_Section):
 
 class ModelSection(_Section):
     family: str = "qwen_image"
+    # A named configuration of the family's architecture ("edit-2509", "klein-4b", "ti2v-5b"):
+    # None = told from the files, where they tell (docs/design.md, "Variants").
+    variant: str | None = None
     path: str = ""                       # model folder in the diffusers layout
     transformer_file: str | None = None  # optional single .safetensors DiT replacing path/transformer
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from cache_store import AUX_PREFIX, IncompleteCacheError, entry_key, fingerprint_of, open_cache
 from cache_store.opener import check_identity
 from diffsynth_core.data import SampleDataset
-from diffsynth_core.models import FamilySpec, check_model_folder, get_family
+from diffsynth_core.models import FamilySpec, check_model_folder
 
-from .common import encoder_identity
+from .common import encoder_identity, family_of
 from .config import RunConfig
 from .datasets import open_dataset
 from .encoding import row_key_settings
@@ -52,7 +52,7 @@ def make_plan(cfg: RunConfig, part: int | None = None) -> Plan:
     each writer reads its own rows and not the dataset.  (File digests are remembered across
     runs, so keying a dataset again costs a stat per file.)
     """
-    spec = get_family(cfg.model.family)
+    spec = family_of(cfg)
     check_model_folder(spec, cfg.model.path)
     dataset = open_dataset(cfg.dataset, spec)
     identity = encoder_identity(cfg, spec)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from diffsynth_core.models import FamilySpec, check_model_folder, get_family
+from diffsynth_core.models import FamilySpec, check_model_folder
 from diffsynth_core.models.lora_export import DIFFUSERS_FILE
 from diffsynth_core.errors import InputError
 from diffsynth_core.gradient import activation_offloader
@@ -31,7 +31,7 @@ from diffsynth_core.training.guards import require_finite
 from diffsynth_core.training import optimizers
 from diffsynth_core.training.loop import Trainer
 
-from .common import (init_distributed, is_main_process, leaving_process_group, load_components, model_dtype,
+from .common import (family_of, init_distributed, is_main_process, leaving_process_group, load_components, model_dtype,
                      resolve_device)
 from .config import RunConfig
 from .exports import LoraExporter, export_lora
@@ -114,7 +114,7 @@ def _ema_name(path: Path) -> str:
 
 def final_exports(cfg: RunConfig) -> list[Path]:
     """The files the end of a run writes, its last act: the diffusers LoRA (or the full DiT), and its EMA twin."""
-    name = DIFFUSERS_FILE if cfg.train.lora_rank > 0 else _full_name(get_family(cfg.model.family))
+    name = DIFFUSERS_FILE if cfg.train.lora_rank > 0 else _full_name(family_of(cfg))
     files = [cfg.output_dir / name]
     return files + ([cfg.output_dir / _ema_name(files[0])] if cfg.train.ema_decay else [])
 
@@ -151,7 +151,7 @@ def run(cfg: RunConfig) -> TrainSummary:
 
 def _train(cfg: RunConfig) -> TrainSummary:
     started = time.perf_counter()
-    spec = get_family(cfg.model.family)
+    spec = family_of(cfg)
     store, keys = training_keys(cfg)  # checked against the model, derived from the config
     empty_prompt = load_empty_prompt(cfg, store)  # before any model loads: a missing entry fails fast
     optimizers.checked_args(optimizers.optimizer_class(cfg.train.optimizer), cfg.train.optimizer,

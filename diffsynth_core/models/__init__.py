@@ -6,11 +6,12 @@ Each family module exposes ``SPEC``; modules are imported lazily so that importi
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from pathlib import Path
 
 from ..errors import InputError
-from .base import Components, FamilySpec
+from .base import Components, Expert, FamilySpec, ReferenceRule
 from .loading import read_model_index_file
 
 # family name -> module under diffsynth_core.models
@@ -32,13 +33,24 @@ class UnknownFamilyError(InputError, KeyError):
         return str(self.args[0])
 
 
-def get_family(name: str) -> FamilySpec:
-    """Return the spec of family ``name``; unknown names list the known ones."""
+def get_family(name: str, variant: str | None = None) -> FamilySpec:
+    """Return the spec of family ``name`` (with ``variant``'s fields applied, if given); unknown
+    names list the known ones."""
     if name not in _FAMILY_MODULES:
         raise UnknownFamilyError(f"model.family = {name!r} is not a known model family; "
                                  f"use one of: {', '.join(known_families())}")
     module = importlib.import_module(f"{__name__}.{_FAMILY_MODULES[name]}")
-    return module.SPEC
+    return with_variant(module.SPEC, variant)
+
+
+def with_variant(spec: FamilySpec, variant: str | None) -> FamilySpec:
+    """``spec`` with the fields ``variant`` replaces; None: the spec as it is."""
+    if variant is None or variant == spec.variant:
+        return spec
+    if variant not in spec.variants:
+        known = ", ".join(sorted(spec.variants)) or "none"
+        raise InputError(f"model.variant = {variant!r} is not a variant of {spec.name} (its variants: {known})")
+    return dataclasses.replace(spec, **spec.variants[variant], variant=variant)
 
 
 def check_model_folder(spec: FamilySpec, path: str | Path) -> None:
@@ -60,4 +72,4 @@ def check_model_folder(spec: FamilySpec, path: str | Path) -> None:
                      f"expects a {spec.pipeline_class_name}: {hint}")
 
 
-__all__ = ["Components", "FamilySpec", "UnknownFamilyError", "check_model_folder", "get_family", "known_families"]
+__all__ = ["Components", "Expert", "FamilySpec", "ReferenceRule", "with_variant", "UnknownFamilyError", "check_model_folder", "get_family", "known_families"]

@@ -22,6 +22,22 @@ Tensor conventions shared by every family (batch size 1 inside the cache):
   the batched prompt-side tensors, and returns the flow-matching velocity prediction (target
   ``noise - x0``) in the latents' layout, in the transformer's dtype (packing/unpacking and
   timestep scaling are its job).
+
+Reference inputs, variants and experts are data on the spec (docs/design.md, "Conditioning"):
+
+* ``references`` (a :class:`ReferenceRule`, None: the family takes no reference images) says how
+  many images a row may give besides its target (edit references, an I2V first frame) and how
+  each is resized.  The dataset reads them from every column convention into one ordered list per
+  row; stage 1 VAE-encodes each at its own size into the cache entries ``ref_latents_0``,
+  ``ref_latents_1``, ... (``(C, f, h, w)`` like ``latents``; ``encode_references`` where a
+  family conditions on more than the latents) and passes them, resized for the vision tower, to
+  ``encode_prompts(..., images=[[PIL.Image, ...] per prompt])`` when ``text_area`` is set.
+  ``dit_forward`` finds ``ref_latents_<i>`` in ``cond``; the loss covers the target alone.
+* ``variants`` maps a variant name (``"edit-2509"``, ``"klein-4b"``, ``"ti2v-5b"``) to the spec
+  fields it replaces; ``variant_of(path)`` tells a variant from the files (None: cannot tell).
+  ``models.get_family(name, variant)`` returns the spec with them applied, ``variant`` set.
+* ``experts`` (Wan2.2 A14B): the trainable transformers in routing order, each serving the sigmas
+  in its ``[sigma_min, sigma_max]``; empty: one transformer, ``transformer_component``.
 """
 
 from __future__ import annotations
@@ -35,6 +51,41 @@ import torch
 # A loaded model folder: component name -> object ("transformer", "vae", "text_encoder",
 # "tokenizer", ...).  Plain dict so families can hold whatever their pipeline needs.
 Components = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ReferenceRule:
+    """The images a family conditions on besides its prompt and target, and how each is resized.
+
+    Sizes follow the reference pipelines (diffusers' ``calculate_dimensions``): an image of aspect
+    ``w/h`` is resized to about ``area`` pixels, each side a multiple of ``multiple``.
+    """
+
+    # How many one row may give (None: any number); rows giving none train as text-to-image
+    # unless ``required`` (I2V).
+    max_count: int | None = None
+    required: bool = False
+    # The VAE's input: about ``vae_area`` pixels (None: the image's own size, floored to the
+    # multiple); ``match_target``: resized and cropped to the target's size instead (I2V).
+    vae_area: int | None = 1024 * 1024
+    vae_multiple: int = 32
+    match_target: bool = False
+    # The text encoder's vision tower: about ``text_area`` pixels; None: the prompt takes no images.
+    text_area: int | None = None
+    text_multiple: int = 32
+    # RGBA to the VAE (opaque alpha for RGB files); the vision tower gets RGB over white.
+    alpha: bool = False
+    # A video target's first frame is the reference when the row names none (I2V).
+    first_frame_of_target: bool = False
+
+
+@dataclass(frozen=True)
+class Expert:
+    """One of several trainable transformers (Wan2.2 A14B): the component and the sigmas it serves."""
+
+    component: str
+    sigma_min: float
+    sigma_max: float
 
 
 @dataclass(frozen=True)
@@ -120,3 +171,14 @@ class FamilySpec:
     # native_module_name(name) -> the diffusers name of a DiT module named as in the original
     # release (LoRA files with native keys), or None; None where the release uses diffusers names.
     native_module_name: Callable[[str], str | None] | None = None
+    # --- conditioning, variants, experts (module docstring) -----------------------------------------
+    references: ReferenceRule | None = None
+    # encode_references(components, pixels [(3 or 4, 1, H, W), ...], device, *, target_shape) ->
+    # {"ref_latents_0": ..., ...}; None: each reference is ``encode_pixels``' latents.
+    encode_references: Callable[..., dict[str, torch.Tensor]] | None = None
+    # variant name -> the FamilySpec fields it replaces; ``variant`` names the one applied.
+    variants: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    variant: str | None = None
+    # variant_of(model_path) -> the variant the files are, or None where they cannot tell
+    variant_of: Callable[[Path], str | None] | None = None
+    experts: tuple[Expert, ...] = ()
