@@ -15,7 +15,7 @@ from pathlib import Path
 
 from diffsynth_core.errors import EnvironmentFailure
 from stages.config import ConfigError, RunConfig
-from stages.status import CacheView, disk_state, read_cache, summary_from_disk, work_left
+from stages.status import CacheView, check_resume_on_disk, disk_state, read_cache, summary_from_disk, work_left
 
 from .runconfig import check_overrides
 from .server import ApiSession, configured_api_url
@@ -35,9 +35,13 @@ def orchestrate(cfg: RunConfig, ref: str | None, overrides: list[str], name: str
     check_overrides(overrides)  # overrides become run parameters: no credentials there
     if pooled:
         check_lora_targets_first(cfg, stages, local=False)
+        if "train" in stages:  # what may not change on resume: refused before any stage run is submitted
+            _refuse_fixed_changes(cfg)
         with prefect_session(cfg, url, True, debug) as session:
             return _on_pools(cfg, ref, overrides, name, stages, pools, session.url)
     view = read_cache(cfg)  # decided from disk, before Prefect is imported or a server started
+    if "train" in stages:  # the resume rule, before any model loads (a finished output told apart)
+        check_resume_on_disk(cfg, view)
     left = work_left(cfg, view)
     if not (left.preprocess or ("train" in stages and left.train)):
         return idle_summary(cfg, stages, view)
@@ -61,6 +65,14 @@ def check_lora_targets_first(cfg: RunConfig, stages: tuple[str, ...], local: boo
     from stages.common import check_lora_targets, family_of
 
     check_lora_targets(cfg, family_of(cfg), local)
+
+
+def _refuse_fixed_changes(cfg: RunConfig) -> None:
+    from diffsynth_core.training.checkpoint import CheckpointManager
+    from stages.resume_rule import refuse_fixed_changes
+
+    checkpoints = CheckpointManager(cfg.output_dir / "checkpoints")
+    refuse_fixed_changes(cfg, checkpoints.latest_metadata(), str(checkpoints.latest_dir()))
 
 
 @contextlib.contextmanager

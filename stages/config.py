@@ -201,7 +201,7 @@ class TrainSection(_Section):
     warmup_steps: int = Field(0, ge=0)
     lora_rank: int = Field(16, ge=0)  # 0 together with trainable_models: full fine-tuning
     lora_alpha: float | None = Field(None, gt=0, allow_inf_nan=False)  # None: equal to the rank (scale 1)
-    lora_target_modules: list[str] | None = None  # None: the family's defaults
+    lora_target_modules: list[str] | None = None  # None: the family's defaults; [] is refused (no target)
     lora_init: Literal["gaussian", "default", "pissa", "olora"] = "gaussian"
     # Adapters save their Linear's bf16 input instead of peft's fp32 copy (training/adapter_inputs.py):
     # bitwise the same gradients, less activation memory, 2-5 % slower steps on the H200 (docs/training.md).
@@ -239,6 +239,14 @@ class TrainSection(_Section):
     @classmethod
     def _device_is_known(cls, value: str) -> str:
         return _check_device(value)
+
+    @field_validator("lora_target_modules")
+    @classmethod
+    def _targets_name_modules(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not [name for name in value if name.strip()]:
+            raise ValueError("an empty list names no module to train: leave the key out for the family's "
+                             "default targets, or name modules such as ['to_q', 'to_k']")
+        return value
 
     @field_validator("optimizer")
     @classmethod
@@ -336,6 +344,11 @@ class OrchestrationSection(_Section):
         return self
 
 
+# Local paths a user may write as ~/...; URLs (s3://...) never start with "~".
+_PATH_KEYS = ("output.path", "cache.url", "model.path", "model.transformer_file", "dataset.base_path",
+              "dataset.metadata_path", "train.lora_checkpoint", "train.preset_lora_path")
+
+
 class RunConfig(_Section):
     dataset: DatasetSection = DatasetSection()
     model: ModelSection = ModelSection()
@@ -345,6 +358,25 @@ class RunConfig(_Section):
     offload: OffloadSection = OffloadSection()
     output: OutputSection = OutputSection()
     orchestration: OrchestrationSection = OrchestrationSection()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _home_expanded(cls, data: Any) -> Any:
+        """``~/out`` is the user's home, as a shell (and media paths) read it, not a folder named ``~``."""
+        if isinstance(data, dict):
+            for dotted in _PATH_KEYS:
+                section, key = dotted.split(".")
+                table = data.get(section)
+                if isinstance(table, dict) and isinstance(table.get(key), str) and table[key].startswith("~"):
+                    table[key] = os.path.expanduser(table[key])
+        return data
+
+    @model_validator(mode="after")
+    def _output_is_a_folder(self):
+        path = Path(self.output.path)
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"output.path: {path} is a file, not a folder; name a folder (it is created if missing)")
+        return self
 
     @model_validator(mode="after")
     def _step_in_backward_fits(self):
@@ -438,24 +470,67 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     return f"invalid config ({source}): " + "; ".join(problems)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML takes the last one silently)."""
+
+
+def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=True)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
 def read_config_file(path: Path | str) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    text = path.read_text()
+        raise ConfigError(f"config file not found: {path}" + (" (it is a folder)" if path.is_dir() else ""))
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = raw[:err.start].count(b"\n") + 1
+        raise ConfigError(f"config file {path}: byte 0x{raw[err.start]:02x} on line {line} is not UTF-8 (a "
+                          "Latin-1 or Windows-1252 file?): save it as UTF-8") from None
     try:
         if path.suffix in (".yaml", ".yml"):
-            return yaml.safe_load(text) or {}
-        if path.suffix == ".json":
-            return json.loads(text)
-        return tomllib.loads(text)
-    except (tomllib.TOMLDecodeError, yaml.YAMLError, json.JSONDecodeError) as err:
-        raise ConfigError(f"cannot parse config file {path}: {err}") from err
+            data = yaml.load(text, Loader=_UniqueKeyLoader) or {}
+        elif path.suffix == ".json":
+            from diffsynth_core.data.metadata import unique_keys
+
+            data = json.loads(text, object_pairs_hook=unique_keys)
+        else:
+            data = tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, yaml.YAMLError, ValueError) as err:
+        detail = " ".join(str(err).split()).replace('in "<unicode string>", ', "")  # YAML's name for the text
+        raise ConfigError(f"cannot parse config file {path}: {detail}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} holds a {type(data).__name__}, not a table of sections "
+                          "([dataset], [model], [train], ...)")
+    return data
+
+
+def _plain(value: Any, dotted: str = "") -> Any:
+    """``value`` as JSON types; a date, time or other value a config cannot hold names its key."""
+    if isinstance(value, dict):
+        return {k: _plain(v, f"{dotted}.{k}" if dotted else str(k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, f"{dotted}[{i}]") for i, v in enumerate(value)]
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    raise ConfigError(f"{dotted or 'config'}: {value} is a {type(value).__name__}, which no setting takes; "
+                      "put it in quotes if it is text")
 
 
 def build_config(data: dict[str, Any], overrides: list[str] = (), source: str = "<config>") -> RunConfig:
     """Validate ``data`` after applying ``section.key=value`` overrides; collects every error."""
-    data = json.loads(json.dumps(data))  # deep copy, plain types only
+    data = _plain(data)  # deep copy, plain types only
     for item in overrides:
         dotted, sep, raw = item.partition("=")
         if not sep:

@@ -16,17 +16,19 @@ from typing import Any
 import torch
 
 from diffsynth_core.models import FamilySpec
-from diffsynth_core.training.guards import require_finite
+from diffsynth_core.training.guards import require_trained_weights
 from diffsynth_core.training.lora import lora_state_dict
 
 log = logging.getLogger(__name__)
 
 
 def export_lora(spec: FamilySpec, model: torch.nn.Module, lora_config: dict[str, Any], folder: Path,
-                stem: str = "lora") -> dict[str, str]:
-    """Write the LoRA of ``model`` as ``folder/<stem>*.safetensors``; consumer -> path."""
+                stem: str = "lora", learning_rate: float | None = None) -> dict[str, str]:
+    """Write the LoRA of ``model`` as ``folder/<stem>*.safetensors``; consumer -> path.
+
+    A NaN or absurdly large LoRA (a diverged run, ``learning_rate`` named in the line) is never written."""
     weights = lora_state_dict(model)
-    require_finite(weights, f"LoRA export to {folder}")  # a NaN LoRA is never written
+    require_trained_weights(weights, f"LoRA export to {folder}", learning_rate)
     paths = spec.export_lora(weights, lora_config, folder, stem=stem)
     return {consumer: str(path) for consumer, path in paths.items()}
 

@@ -3,8 +3,7 @@
 A LoRA (or a fine-tuned DiT) only means something on the weights it was trained on.  The base
 is identified by content: the transformer's files (or ``model.transformer_file``) and a preset
 LoRA fused into it.  Digests are remembered across runs (``cache_store.digests``), so this is
-cheap after the first run on a machine.  Every checkpoint also records the settings that change how
-a step is computed (:data:`NUMERICS`); a resume that changes them is allowed, with a warning.
+cheap after the first run on a machine.  What else a resume may change: ``stages.resume_rule``.
 """
 
 from __future__ import annotations
@@ -23,10 +22,6 @@ from .config import RunConfig
 
 log = logging.getLogger(__name__)
 METADATA_KEY = "base_model"
-NUMERICS_KEY = "numerics"
-# Settings that change how a step is computed but not what the run trains: a resume with one of
-# them changed goes on, but no longer ends bit for bit where an uninterrupted run would.
-NUMERICS = ("model.dtype", "offload.storage_dtype", "train.compile_blocks", "train.deterministic")
 
 
 def base_model(cfg: RunConfig, spec: FamilySpec) -> dict:
@@ -67,25 +62,3 @@ def check_resume_base(checkpoints: CheckpointManager, base: dict) -> None:
             f"checkpoint {checkpoints.latest_dir()} was trained on base model {saved.get('path')} (fingerprint "
             f"{saved.get('fingerprint')}), but this config's base model is {base['path']} (fingerprint "
             f"{base['fingerprint']}); set output.path to a new folder, or restore that base model")
-
-
-def numerics(cfg: RunConfig) -> dict:
-    """{dotted key: value} of :data:`NUMERICS`, recorded in every checkpoint."""
-    values = {}
-    for key in NUMERICS:
-        section, name = key.split(".")
-        values[key] = getattr(getattr(cfg, section), name)
-    return values
-
-
-def warn_changed_numerics(checkpoints: CheckpointManager, cfg: RunConfig) -> None:
-    """Warn (one line, ``"key old -> new"`` each) when the run resumes with :data:`NUMERICS` other
-    than its checkpoint's.  Checkpoints written before they were recorded pass."""
-    saved = (checkpoints.latest_metadata() or {}).get(NUMERICS_KEY)
-    if not saved:
-        return
-    now = numerics(cfg)
-    changed = [f"{key} {saved[key]!r} -> {now[key]!r}" for key in NUMERICS if key in saved and saved[key] != now[key]]
-    if changed:
-        log.warning("resuming %s with %s: the run goes on, but will not end bit for bit where an uninterrupted "
-                    "run with either setting would", checkpoints.latest_dir(), ", ".join(changed))

@@ -16,14 +16,12 @@ from typing import Any
 from cache_store import CacheFormatError, open_cache
 from diffsynth_core.errors import InputError
 from diffsynth_core.training.checkpoint import CheckpointManager
-from diffsynth_core.training.batching import latent_shapes
-from diffsynth_core.training.loop import planned_steps
-from diffsynth_core.training.sampler import BucketSampler
 
 from .config import RunConfig
 from .keys import Needs, Plan, check_cache, completeness, empty_prompt_key, make_plan, needs, part_of
+from .resume_rule import check_resume, refuse_fixed_changes
 from .secrets import storage_options
-from .train import CachedSamples, final_exports
+from .train import final_exports, planned_total
 
 
 def _open_existing(cfg: RunConfig):
@@ -164,7 +162,7 @@ def work_left(cfg: RunConfig, view: CacheView | None = None) -> WorkLeft:
     parts, keys = _rows_left(cfg, view)
     if parts:
         return WorkLeft(parts=parts, train_steps=1)
-    total = planned_steps(cfg.train, 0 if cfg.train.max_steps else _rounds_per_epoch(cfg, view.store, keys))
+    total = planned_total(cfg, view.store, keys)
     checkpoints = CheckpointManager(cfg.output_dir / "checkpoints")
     step, latest = checkpoints.latest_step(), checkpoints.latest_dir()
     exported = latest is not None and all(
@@ -172,11 +170,21 @@ def work_left(cfg: RunConfig, view: CacheView | None = None) -> WorkLeft:
     return WorkLeft(parts=[], train_steps=max(0, total - step), total_steps=total, export=not exported)
 
 
-def _rounds_per_epoch(cfg: RunConfig, store, keys: list[str]) -> int:
-    """Batches per epoch as the loop makes them (one process): shapes come from the cache's manifest."""
-    sampler = BucketSampler(latent_shapes(CachedSamples(store, keys)), cfg.train.batch_size, cfg.train.drop_last,
-                            cfg.dataset.repeat, cfg.train.seed)
-    return sampler.rounds_per_epoch
+def check_resume_on_disk(cfg: RunConfig, view: CacheView | None = None) -> None:
+    """The resume rule (``stages.resume_rule``) for the output's latest checkpoint, before any stage runs:
+    what may not change always; a finished output given another config once the cache is complete.
+    Notices of what changes are left to the training stage, which says them once."""
+    checkpoints = CheckpointManager(cfg.output_dir / "checkpoints")
+    metadata = checkpoints.latest_metadata()
+    if metadata is None:
+        return
+    where = str(checkpoints.latest_dir())
+    view = view or read_cache(cfg)
+    parts, keys = _rows_left(cfg, view) if view.store is not None and view.error is None else ([0], [])
+    if parts:  # rows to encode first: the training stage checks the rest once they are in
+        refuse_fixed_changes(cfg, metadata, where)
+        return
+    check_resume(cfg, metadata, where, planned_total(cfg, view.store, keys), keys, notice=False)
 
 
 def stage_done(cfg: RunConfig, stage: str, part: int | None = None, left: WorkLeft | None = None) -> bool:

@@ -27,17 +27,20 @@ from diffsynth_core.gradient import activation_offloader
 from diffsynth_core.training.checkpoint import CheckpointManager
 from diffsynth_core.training.device import avoid_broken_kernels, configure_determinism
 from diffsynth_core.training.ema import swapped_weights
-from diffsynth_core.training.guards import require_finite
+from diffsynth_core.training.guards import require_trained_weights
 from diffsynth_core.training import optimizers
-from diffsynth_core.training.loop import Trainer
+from diffsynth_core.training.batching import latent_shapes
+from diffsynth_core.training.loop import Trainer, planned_steps
+from diffsynth_core.training.sampler import BucketSampler
 
 from .common import (family_of, init_distributed, is_main_process, leaving_process_group, load_components, model_dtype,
                      resolve_device)
 from .config import RunConfig
 from .exports import LoraExporter, export_lora
-from .identity import METADATA_KEY, NUMERICS_KEY, base_model, check_resume_base, numerics, warn_changed_numerics
+from .identity import METADATA_KEY, base_model, check_resume_base
 from .keys import empty_prompt_key, training_keys
 from .locks import output_lock
+from .resume_rule import SAMPLES_KEY, SETTINGS_KEY, check_resume, refuse_fixed_changes, sample_record, settings
 from .validation import ValidationRenderer
 
 log = logging.getLogger(__name__)
@@ -82,6 +85,16 @@ class CachedSamples:
         return self.store.shapes(self.keys[index])["latents"]
 
 
+def planned_total(cfg: RunConfig, store, keys: list[str], rank: int = 0, world_size: int = 1) -> int:
+    """Optimizer steps the run of ``cfg`` makes over ``keys`` (``planned_steps``; batches per epoch
+    as the loop's sampler makes them, shapes read from the cache's manifest)."""
+    if cfg.train.max_steps:
+        return planned_steps(cfg.train, 0)
+    sampler = BucketSampler(latent_shapes(CachedSamples(store, keys)), cfg.train.batch_size, cfg.train.drop_last,
+                            cfg.dataset.repeat, cfg.train.seed, rank, world_size)
+    return planned_steps(cfg.train, sampler.rounds_per_epoch)
+
+
 def load_empty_prompt(cfg: RunConfig, store) -> dict[str, torch.Tensor] | None:
     """The cached empty prompt's tensors when caption dropout needs them (stage 1 encodes them once).
 
@@ -119,22 +132,22 @@ def final_exports(cfg: RunConfig) -> list[Path]:
     return files + ([cfg.output_dir / _ema_name(files[0])] if cfg.train.ema_decay else [])
 
 
-def _export(spec: FamilySpec, result, output: Path) -> dict[str, str]:
+def _export(spec: FamilySpec, result, output: Path, learning_rate: float) -> dict[str, str]:
     if result.lora_config is not None:
-        return export_lora(spec, result.model, result.lora_config, output)
+        return export_lora(spec, result.model, result.lora_config, output, learning_rate=learning_rate)
     weights = {k: v.detach().cpu().contiguous() for k, v in result.model.state_dict().items()}
-    require_finite(weights, f"export to {output}")
+    require_trained_weights(weights, f"export to {output}", learning_rate)
     path = output / _full_name(spec)
     save_file(weights, str(path))
     return {"full": str(path)}
 
 
-def _export_ema(spec: FamilySpec, result, output: Path) -> dict[str, str]:
+def _export_ema(spec: FamilySpec, result, output: Path, learning_rate: float) -> dict[str, str]:
     """The EMA weights in the same formats, beside the raw files: ``lora.safetensors`` -> ``lora_ema.safetensors``."""
     staging = output / ".ema-export"
     shutil.rmtree(staging, ignore_errors=True)
     with swapped_weights(result.model, result.ema):
-        written = _export(spec, result, staging)
+        written = _export(spec, result, staging, learning_rate)
     exports = {}
     for kind, path in written.items():
         final = output / _ema_name(Path(path))
@@ -152,6 +165,8 @@ def run(cfg: RunConfig) -> TrainSummary:
 def _train(cfg: RunConfig) -> TrainSummary:
     started = time.perf_counter()
     spec = family_of(cfg)
+    checkpoints = CheckpointManager(cfg.output_dir / "checkpoints")
+    refuse_fixed_changes(cfg, checkpoints.latest_metadata(), str(checkpoints.latest_dir()))  # before any reading
     store, keys = training_keys(cfg)  # checked against the model, derived from the config
     empty_prompt = load_empty_prompt(cfg, store)  # before any model loads: a missing entry fails fast
     optimizers.checked_args(optimizers.optimizer_class(cfg.train.optimizer), cfg.train.optimizer,
@@ -164,9 +179,10 @@ def _train(cfg: RunConfig) -> TrainSummary:
         output.mkdir(parents=True, exist_ok=True)
         cfg.save(output / "config.toml")
         base = base_model(cfg, spec)
-        checkpoints = CheckpointManager(output / "checkpoints")
         check_resume_base(checkpoints, base)
-        warn_changed_numerics(checkpoints, cfg)
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        check_resume(cfg, checkpoints.latest_metadata(), str(checkpoints.latest_dir()),
+                     planned_total(cfg, store, keys, 0, world), keys)
     transformer = load_transformer(cfg, spec)
     samples = CachedSamples(store, keys)
     callbacks = [LoraExporter(spec, output, cfg.output.export_every)]
@@ -175,7 +191,8 @@ def _train(cfg: RunConfig) -> TrainSummary:
         callbacks.append(ValidationRenderer(cfg, spec, (meta["height"], meta["width"]), meta.get("num_frames", 1)))
     trainer = Trainer(spec, transformer, samples, cfg.train, cfg.offload, output,
                       device=device, repeat=cfg.dataset.repeat, callbacks=callbacks,
-                      checkpoint_metadata={METADATA_KEY: base, NUMERICS_KEY: numerics(cfg)} if base else None,
+                      checkpoint_metadata={METADATA_KEY: base, SETTINGS_KEY: settings(cfg), SAMPLES_KEY: sample_record(keys)}
+                      if base else None,
                       empty_prompt=empty_prompt)
     result = trainer.fit()
     report = result.offload.report() if result.offload is not None else {}  # planned vs measured bytes, GPU peak
@@ -191,9 +208,10 @@ def _train(cfg: RunConfig) -> TrainSummary:
         (output / "offload.json").write_text(json.dumps(report, indent=1))
     if result.offload is not None and result.lora_config is None:
         result.offload.detach()  # full fine-tuning exports every weight: back in place, no second copy
-    exports = _export(spec, result, output) if trainer.rank == 0 else {}
+    rate = cfg.train.learning_rate
+    exports = _export(spec, result, output, rate) if trainer.rank == 0 else {}
     if trainer.rank == 0 and result.ema is not None:
-        exports.update(_export_ema(spec, result, output))
+        exports.update(_export_ema(spec, result, output, rate))
     if result.offload is not None and result.lora_config is not None:
         # The adapters were read with the engine attached: release the frozen base, never restore it
         # (restoring would hold a second host copy of the DiT at the very end of the run).

@@ -69,12 +69,19 @@ def read_image(path: Path, background: tuple[int, int, int] = WHITE) -> Image.Im
     """Decode a still image fully (a truncated file fails here, not later) as upright RGB."""
     try:
         with Image.open(path) as image:
+            frames = getattr(image, "n_frames", 1)
+            if frames > 1:  # an animated WebP or PNG would train on its first frame alone
+                raise MediaError(f"is animated ({frames} frames), and a still image is read here: give one "
+                                 "frame as its own file, or (video families) the clip as .gif or .mp4 in the "
+                                 "video column")
             image.load()
             # Phone photos store their rotation in EXIF; apply it so the pixels are upright.
-            image = ImageOps.exif_transpose(image)
+            image = ImageOps.exif_transpose(_narrowed(image))
             return to_rgb(image, background)
     except FileNotFoundError as e:
         raise MediaError("file not found") from e
+    except MediaError:
+        raise
     except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as e:
         raise MediaError(f"cannot decode image: {_short(e)}") from e
 
@@ -106,15 +113,47 @@ def to_rgb(image: Image.Image, background: tuple[int, int, int] = WHITE) -> Imag
     """RGB of any mode, transparent pixels composited on ``background``.
 
     Pillow's convert("RGB") drops alpha and keeps the colour stored under it (often black or
-    garbage).  16-bit greyscale is scaled to 8 bits first: convert("RGB") clips it at 255,
-    which turns most of such an image white."""
-    if image.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N"):
-        wide = np.clip(np.asarray(image).astype(np.int64), 0, 65535) >> 8
-        image = Image.fromarray(wide.astype(np.uint8), "L")
+    garbage).  16- and 32-bit greyscale and float images are scaled to 8 bits first: convert("RGB")
+    clips them at 255 (a 16-bit image turns mostly white) or truncates floats in [0, 1] to 0 (black)."""
+    if image.mode in _WIDE_MODES:
+        image = Image.fromarray(_to_8_bits(image), "L")
     if has_alpha(image):
         rgba = image.convert("RGBA")
         return Image.alpha_composite(Image.new("RGBA", rgba.size, (*background, 255)), rgba).convert("RGB")
     return image.convert("RGB")
+
+
+_WIDE_MODES = ("I", "I;16", "I;16B", "I;16L", "I;16N", "F")
+_TIFF_BITS_PER_SAMPLE, _TIFF_SAMPLE_FORMAT, _TIFF_UNSIGNED = 258, 339, 1
+
+
+def _narrowed(image: Image.Image) -> Image.Image:
+    """A wide greyscale image as 8 bits while its file's tags (bit depth) are still at hand; EXIF kept."""
+    if image.mode not in _WIDE_MODES:
+        return image
+    narrow = Image.fromarray(_to_8_bits(image), "L")
+    narrow.info["exif"] = image.getexif().tobytes()
+    return narrow
+
+
+def _to_8_bits(image: Image.Image) -> np.ndarray:
+    """One wide greyscale channel (16/32-bit integers, 32-bit floats) as 8 bits over its type's range."""
+    values = np.asarray(image)
+    if image.mode == "F":
+        if not np.isfinite(values).all() or values.min() < 0 or values.max() > 255:
+            raise MediaError(f"is a float image with values from {values.min():g} to {values.max():g}: only 0-1 "
+                             "or 0-255 can be read as brightness; save it as an 8- or 16-bit image")
+        scale = 255.0 if values.max() <= 1.0 else 1.0  # floats in [0, 1] are the usual convention
+        return np.clip(np.rint(values * scale), 0, 255).astype(np.uint8)
+    tags = getattr(image, "tag_v2", {})
+    bits = tags.get(_TIFF_BITS_PER_SAMPLE, (16,))
+    bits = bits[0] if isinstance(bits, tuple) else bits
+    if image.mode == "I" and bits == 32:  # a 32-bit TIFF; mode "I" from any other file holds 16 bits
+        fmt = tags.get(_TIFF_SAMPLE_FORMAT, (_TIFF_UNSIGNED,))
+        if (fmt[0] if isinstance(fmt, tuple) else fmt) == _TIFF_UNSIGNED:
+            return (values.astype(np.int32).view(np.uint32) >> 24).astype(np.uint8)
+        return (np.clip(values.astype(np.int64), 0, 2**31 - 1) >> 23).astype(np.uint8)
+    return (np.clip(values.astype(np.int64), 0, 65535) >> 8).astype(np.uint8)
 
 
 def read_frames(path: Path, max_frames: int, background: tuple[int, int, int] = WHITE) -> list[Image.Image]:

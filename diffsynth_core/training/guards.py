@@ -2,7 +2,8 @@
 
 * :class:`NonFiniteGuard` -- a step whose loss or gradient norm is NaN/Inf updates nothing; a
   configurable number of such steps in a row stops the run with one line naming the step.
-* :func:`require_finite` -- the last check before weights are checkpointed or exported.
+* :func:`require_finite` -- the last check before weights are checkpointed or exported;
+  :func:`require_trained_weights` adds, before the final export, that no weight is absurdly large.
 * :class:`GradientCoverage` -- which trainable tensors actually receive a gradient.  Some never do
   (Qwen-Image's last block computes a text-stream output nobody reads, so LoRA on its
   ``to_add_out``/``txt_mlp`` layers is dead weight); they are reported and taken out of the
@@ -86,6 +87,27 @@ def require_finite(tensors: Mapping[str, torch.Tensor], what: str) -> None:
     if bad:
         raise InputError(f"{what}: {len(bad)} of {len(tensors)} tensors hold NaN or Inf (e.g. {bad[:3]}); "
                          f"nothing was written. Lower train.learning_rate and resume from the last checkpoint")
+
+
+# No trained weight of a diffusion model comes near this: one that does has diverged (a learning
+# rate of 1e30 gives LoRA weights of 1e30, finite but meaningless).
+ABSURD_WEIGHT = 1e5
+
+
+def require_trained_weights(tensors: Mapping[str, torch.Tensor], what: str, learning_rate: float | None) -> None:
+    """The last check before final weights are exported: finite, and no weight absurdly large."""
+    require_finite(tensors, what)
+    largest, name = 0.0, None
+    for key, tensor in tensors.items():
+        if tensor.is_floating_point() and tensor.numel():
+            peak = float(tensor.detach().abs().max())
+            if peak > largest:
+                largest, name = peak, key
+    if largest > ABSURD_WEIGHT:
+        rate = f" (now {learning_rate:g})" if learning_rate is not None else ""
+        raise InputError(f"{what}: weight {name} reaches {largest:.3g}, beyond any trained model's ({ABSURD_WEIGHT:g}): "
+                         f"the run diverged and nothing was written. Lower train.learning_rate{rate} and train "
+                         "into another output.path")
 
 
 class GradientCoverage:

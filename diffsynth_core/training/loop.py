@@ -309,8 +309,7 @@ class Trainer:
                 param.copy_(saved[name])
         if "no_gradient" in checkpoint["metadata"]:  # older checkpoints: found again at the first step
             self._exclude(prepared, checkpoint["metadata"]["no_gradient"])
-        prepared.optimizer.load_state_dict(checkpoint["optimizer"]["optimizer"])
-        prepared.scheduler.load_state_dict(checkpoint["optimizer"]["scheduler"])
+        _load_optimizer_keeping_settings(prepared, checkpoint["optimizer"])
         self._resume_ema(ema, prepared, checkpoint)
         state = checkpoint["state"]
         sampler.state = SamplerState(state["epoch"], state["position"])
@@ -364,6 +363,25 @@ class Trainer:
         from tqdm.auto import tqdm
 
         return tqdm(total=total, initial=step, desc="train", unit="step")
+
+
+def _load_optimizer_keeping_settings(prepared: Prepared, saved: Mapping[str, Any]) -> None:
+    """The optimizer's state (moments, step counts) and the scheduler's position from a checkpoint, with
+    this run's settings: ``load_state_dict`` also restores each param group's lr, weight decay and betas
+    and the scheduler's base lr, and those of the checkpoint would silently win over a changed config
+    (``stages.resume_rule``: they take effect from the resumed step)."""
+    optimizer, scheduler = prepared.optimizer, prepared.scheduler
+    ours = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+    optimizer.load_state_dict(saved["optimizer"])
+    scheduler.load_state_dict(saved["scheduler"])
+    for group, settings in zip(optimizer.param_groups, ours):
+        group.update(settings)
+    scheduler.base_lrs = [settings["initial_lr"] for settings in ours]
+    # the lr the scheduler's last step would have set, as LambdaLR computes it (bitwise the saved lr
+    # when nothing changed)
+    for group, base_lr, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base_lr * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 def _epochs_completed(sampler: BucketSampler) -> int:

@@ -22,6 +22,12 @@ PACKAGES: dict[str, tuple[str, ...]] = {
 }
 PIP_NAMES = {"bitsandbytes.optim": "bitsandbytes", "prodigyopt": "prodigyopt", "came_pytorch": "came-pytorch"}
 TORCH = "torch.optim"
+# torch.optim classes that cannot train a LoRA from the loop's plain ``optimizer.step()``: left out of the
+# allow-list, with why.
+UNFIT = {
+    "LBFGS": "it needs a closure re-evaluating the loss at every step and takes one parameter group",
+    "SparseAdam": "it steps sparse gradients only, and a DiT's weights get dense ones",
+}
 
 
 def _torch_optimizers() -> list[str]:
@@ -30,7 +36,7 @@ def _torch_optimizers() -> list[str]:
     return sorted(name for name in dir(torch.optim) if not name.startswith("_")
                   and isinstance(getattr(torch.optim, name), type)
                   and issubclass(getattr(torch.optim, name), torch.optim.Optimizer)
-                  and getattr(torch.optim, name) is not torch.optim.Optimizer)
+                  and getattr(torch.optim, name) is not torch.optim.Optimizer and name not in UNFIT)
 
 
 def allowed_names() -> list[str]:
@@ -41,6 +47,9 @@ def split_name(name: str) -> tuple[str, str]:
     """``"AdamW"`` / ``"torch.optim.AdamW"`` / ``"prodigyopt.Prodigy"`` -> (module, class); refuses the rest."""
     module, _, cls = name.rpartition(".")
     module = module or TORCH
+    if module == TORCH and cls in UNFIT:
+        raise InputError(f"train.optimizer = {name!r} cannot train here: {UNFIT[cls]}; use torch.optim.AdamW "
+                         "(or another torch.optim class)")
     if module == TORCH or cls in PACKAGES.get(module, ()):
         return module, cls
     listed = ", ".join(f"{m}.{{{','.join(cs)}}}" for m, cs in PACKAGES.items())

@@ -18,9 +18,11 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from flows.cli import main
 from stages.config import load_config
 from stages.demo import write_demo_model
+
+from .one_line import assert_one_line as _assert_one_line
+from .one_line import cli as _cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,26 +43,6 @@ def _no_prefect_console_handlers():
     root.handlers = [h for h in saved if not type(h).__module__.startswith("prefect")]
     yield
     root.handlers = saved
-
-
-def _cli(capsys, *argv: str) -> tuple[int, str]:
-    """Exit code and stderr of ``splitflow ARGV`` run in this process (stdout kept in ``capsys.out``)."""
-    capsys.readouterr()
-    code = main([str(a) for a in argv])
-    captured = capsys.readouterr()
-    capsys.out = captured.out
-    return code, captured.err
-
-
-def _assert_one_line(code: int, err: str, expected_code: int, *fragments: str) -> str:
-    assert "Traceback" not in err, err
-    lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith("splitflow ") and " error: " in line]
-    assert len(errors) == 1 and lines[-1] == errors[0], lines[-5:]
-    for fragment in fragments:
-        assert fragment in errors[0], errors[0]
-    assert code == expected_code, (code, errors[0])
-    return errors[0]
 
 
 def _rows(folder: Path, text: str) -> Path:
@@ -84,6 +66,11 @@ def _gif(path: Path, frames: int) -> None:
     images[0].save(path, save_all=True, append_images=images[1:])
 
 
+def _animated(path: Path) -> None:
+    frames = [Image.new("RGB", (32, 32), (80 * i, 0, 0)) for i in range(3)]
+    frames[0].save(path, save_all=True, append_images=frames[1:])
+
+
 # Each case: metadata text, files to make, extra --set overrides, fragments of the one line.
 DATA_CASES = {
     "unquoted comma": ("image,prompt\nok.png,a cat, sitting on a mat\n", None, [],
@@ -97,6 +84,19 @@ DATA_CASES = {
                  [], ["outside.png", "outside the dataset folder", "dataset.allow_external_paths"]),
     "GIF for an image family": ("video,prompt\nclip.gif,x\n", lambda d: _gif(d / "clip.gif", 5),
                                 ["dataset.num_frames=5"], ["clip.gif", "trains on still images only"]),
+    # a quote left open would read every later row into one prompt
+    "unclosed quote": ('image,prompt\nok.png,"a cat\nok.png,a dog\nok.png,a bird\n', None, [],
+                       ["a quote opened on line 2 is not closed", "close the quote"]),
+    "quote closed rows later": ('image,prompt\nok.png,"a cat\nok.png,a dog\nok.png,"a bird"\n', None, [],
+                                ["a quote opened on line 2 is not closed"]),
+    "quoted cell swallowing a row": ('image,prompt\nok.png,"a cat\nok.png,a dog"\n', None, [],
+                                     ["a quoted cell opened on line 2 runs over", "'ok.png,a dog'"]),
+    "animated WebP for an image family": ("image,prompt\nanim.webp,x\n", lambda d: _animated(d / "anim.webp"), [],
+                                          ["anim.webp", "is animated (3 frames)"]),
+    "APNG for an image family": ("image,prompt\nanim.png,x\n", lambda d: _animated(d / "anim.png"), [],
+                                 ["anim.png", "is animated (3 frames)"]),
+    "whitespace-only prompt": ('image,prompt\nok.png,"   "\n', None, [],
+                               ["data row 1 (index 0)", "column 'prompt' must hold text"]),
     "unknown model.family": ("image,prompt\nok.png,x\n", None, ["model.family=sdxl"], ["model.family = 'sdxl'"]),
     "family not matching the model folder": ("image,prompt\nok.png,x\n", None, ["model.family=wan"],
                                              ["holds a QwenImagePipeline model", "model.family = 'qwen_image'"]),

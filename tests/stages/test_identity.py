@@ -12,7 +12,8 @@ from diffsynth_core.errors import InputError
 from diffsynth_core.models import get_family
 from stages import preprocess, train
 from stages.common import encoder_identity
-from stages.identity import METADATA_KEY, NUMERICS_KEY, base_model, numerics
+from stages.identity import METADATA_KEY, base_model
+from stages.resume_rule import SETTINGS_KEY, settings
 from tests.stages.metadata import keep_rows
 
 
@@ -86,15 +87,16 @@ def test_a_resume_with_other_numerics_goes_on_and_says_it_will_not_end_bit_for_b
     preprocess.run(cfg)
     train.run(cfg)
     saved = train.CheckpointManager(cfg.output_dir / "checkpoints").latest_metadata()
-    assert saved[NUMERICS_KEY] == numerics(cfg) and saved[NUMERICS_KEY]["offload.storage_dtype"] is None
+    assert saved[SETTINGS_KEY] == settings(cfg) and saved[SETTINGS_KEY]["train.deterministic"] is False
 
-    with caplog.at_level(logging.WARNING, logger="stages.identity"):
-        assert train.run(make_config("train.max_steps=2", streamed)).resumed_from == 1  # same settings: quiet
+    with caplog.at_level(logging.WARNING, logger="stages.resume_rule"):
+        assert train.run(make_config("train.max_steps=2", streamed)).resumed_from == 1  # only the steps: no numerics
     assert not [r for r in caplog.records if "bit for bit" in r.getMessage()]
 
-    with caplog.at_level(logging.WARNING, logger="stages.identity"):
-        summary = train.run(make_config("train.max_steps=3", streamed, "offload.storage_dtype=bfloat16"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="stages.resume_rule"):
+        summary = train.run(make_config("train.max_steps=3", streamed, "train.deterministic=true"))
     assert summary.resumed_from == 2 and summary.steps == 3
     warned = [r.getMessage() for r in caplog.records if "bit for bit" in r.getMessage()]
-    assert len(warned) == 1 and "offload.storage_dtype None -> 'bfloat16'" in warned[0], warned
+    assert len(warned) == 1 and "train.deterministic False -> True" in warned[0], warned
     assert "checkpoints/step-00000002" in warned[0]

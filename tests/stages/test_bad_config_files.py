@@ -1,0 +1,91 @@
+"""Config and metadata files that used to train wrong with exit 0 or reach the bug path: each is one line
+naming the file or key, exit 2, before any model loads."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from stages.config import build_config
+
+from .one_line import assert_one_line, cli
+
+# Each case: file name, bytes, fragments of the one line
+FILES = {
+    "key twice in YAML": ("run.yaml", b"train:\n  learning_rate: 1.0e-4\n  learning_rate: 2.0e-4\n",
+                          ["key 'learning_rate' appears twice", "line 3"]),
+    "key twice in JSON": ("run.json", b'{"train": {"seed": 1, "seed": 2}}', ["key 'seed' appears twice"]),
+    "YAML list": ("run.yaml", b"- train\n- model\n", ["holds a list, not a table of sections"]),
+    "JSON list": ("run.json", b"[1, 2]", ["holds a list, not a table of sections"]),
+    "Latin-1 byte": ("run.toml", "[train]\nseed = 1 # café\n".encode("latin-1"),
+                     ["byte 0xe9 on line 2 is not UTF-8", "save it as UTF-8"]),
+    "TOML date": ("run.toml", b"[train]\nseed = 2024-01-01\n", ["train.seed: 2024-01-01 is a date"]),
+    "YAML date": ("run.yaml", b"output:\n  path: 2024-01-01\n", ["output.path: 2024-01-01 is a date",
+                                                                  "put it in quotes"]),
+    "no targets": ("run.toml", b"[train]\nlora_target_modules = []\n",
+                   ["train.lora_target_modules: an empty list names no module"]),
+    "LBFGS": ("run.toml", b'[train]\noptimizer = "LBFGS"\n', ["train.optimizer = 'LBFGS' cannot train here",
+                                                              "needs a closure"]),
+    "SparseAdam": ("run.toml", b'[train]\noptimizer = "torch.optim.SparseAdam"\n', ["sparse gradients only"]),
+}
+
+
+@pytest.mark.parametrize("case", list(FILES))
+def test_a_bad_config_file_is_one_line_exit_2(tmp_path, capsys, case):
+    name, content, fragments = FILES[case]
+    (tmp_path / name).write_bytes(content)
+    code, err = cli(capsys, "train", tmp_path / name, "--in-process")
+    assert_one_line(code, err, 2, *fragments)
+
+
+def test_output_path_naming_a_file_is_refused(tmp_path, capsys):
+    (tmp_path / "out").write_text("a file")
+    (tmp_path / "run.toml").write_text("[train]\nseed = 1\n")
+    code, err = cli(capsys, "train", tmp_path / "run.toml", "--in-process", "--set", f"output.path={tmp_path / 'out'}")
+    assert_one_line(code, err, 2, f"output.path: {tmp_path / 'out'} is a file, not a folder")
+
+
+def test_a_home_relative_output_path_is_the_home_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = build_config({"output": {"path": "~/out"}, "cache": {"url": "~/cache.zarr"}})
+    assert cfg.output_dir == tmp_path / "out" and cfg.cache_url == str(tmp_path / "cache.zarr")
+
+
+@pytest.mark.parametrize("suffix, content, fragments", [
+    (".jsonl", b'{"image": "ok.png", "prompt": "a", "prompt": "b"}\n', ["key 'prompt' appears twice"]),
+    (".json", b'[{"image": "ok.png", "image": "other.png", "prompt": "a"}]', ["key 'image' appears twice"]),
+    (".jsonl", '{"image": "ok.png", "prompt": "caf\u00e9"}\n'.encode("latin-1"), ["line 1: byte 0xe9 is not UTF-8"]),
+], ids=["JSONL key twice", "JSON key twice", "JSONL Latin-1"])
+def test_bad_metadata_files_are_one_line_exit_2(preprocessed_demo, tmp_path, capsys, suffix, content, fragments):
+    shutil.copy(next((preprocessed_demo / "dataset").glob("*.png")), tmp_path / "ok.png")
+    (tmp_path / f"metadata{suffix}").write_bytes(content)
+    code, err = cli(capsys, "preprocess", preprocessed_demo / "config.toml", "--part", 0,
+                    "--set", f"dataset.base_path={tmp_path}", "--set", f"dataset.metadata_path={tmp_path / f'metadata{suffix}'}",
+                    "--set", f"cache.url={tmp_path / 'cache.zarr'}", "--set", f"output.path={tmp_path / 'out'}")
+    assert_one_line(code, err, 2, f"metadata{suffix}", *fragments)
+
+
+def test_wide_tiffs_decode_to_their_picture_not_black(tmp_path):
+    """Float (0-1) and 32-bit integer TIFFs read as the 8-bit picture they hold, as a 16-bit PNG does."""
+    from diffsynth_core.data.media import read_image
+
+    ramp = np.linspace(0, 1, 32 * 32).reshape(32, 32)
+    Image.fromarray(ramp.astype(np.float32), "F").save(tmp_path / "float.tif")
+    Image.fromarray((ramp * (2**31 - 1)).astype(np.int32), "I").save(tmp_path / "int32.tif")
+    Image.fromarray((ramp * 65535).astype(np.uint16)).save(tmp_path / "uint16.png")
+    expected = np.asarray(read_image(tmp_path / "uint16.png"))
+    assert expected.max() == 255 and expected.min() == 0
+    for name in ("float.tif", "int32.tif"):
+        got = np.asarray(read_image(tmp_path / name)).astype(int)
+        assert np.abs(got - expected).max() <= 1, name
+
+
+def test_a_float_image_out_of_any_brightness_range_is_refused(tmp_path):
+    from diffsynth_core.data.media import MediaError, read_image
+
+    Image.fromarray(np.full((16, 16), 4000.0, np.float32), "F").save(tmp_path / "hdr.tif")
+    with pytest.raises(MediaError, match="float image with values from 4000 to 4000"):
+        read_image(tmp_path / "hdr.tif")
