@@ -126,6 +126,7 @@ def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata:
     text += b" " * (-(8 + len(text)) % 64)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
@@ -138,6 +139,20 @@ def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata:
         tmp.unlink(missing_ok=True)  # a failed write leaves no half file in the output folder
         raise
     return path
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """``.<name>.tmp-PID`` files a killed writer left beside ``path`` (its PID is gone): removed."""
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):
+        pid = stale.name.rpartition("-")[2]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            stale.unlink(missing_ok=True)
+        except PermissionError:  # another user's live process
+            pass
 
 
 def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

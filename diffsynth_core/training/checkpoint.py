@@ -72,6 +72,20 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _load_state(path: Path) -> Any:
+    """A checkpoint's torch state (tensors, numbers, RNG states only): pickled code is refused, as input."""
+    import pickle
+
+    try:
+        return torch.load(path, weights_only=True)
+    except (pickle.UnpicklingError, EOFError, RuntimeError) as err:
+        detail = " ".join(str(err).split())[:160]
+        raise InputError(f"checkpoint file {path} cannot be loaded safely ({type(err).__name__}: {detail}); it holds "
+                         "more than a checkpoint does (pickled code?) or is damaged: move that step folder out of "
+                         f"{path.parent.parent} to resume from an earlier checkpoint, or set output.path to start "
+                         "anew") from None
+
+
 class CheckpointManager:
     def __init__(self, root: Path | str, keep: int = 3):
         self.root = Path(root)
@@ -136,13 +150,8 @@ class CheckpointManager:
         with safe_open(str(path / "trainable.safetensors"), framework="pt") as handle:
             weights = {name: handle.get_tensor(name) for name in handle.keys()}
             metadata = {k: json.loads(v) for k, v in (handle.metadata() or {}).items()}
-        return {
-            "path": path,
-            "weights": weights,
-            "optimizer": torch.load(path / "optimizer.pt", weights_only=True),
-            "state": torch.load(path / "state.pt", weights_only=True),
-            "metadata": metadata,
-        }
+        return {"path": path, "weights": weights, "optimizer": _load_state(path / "optimizer.pt"),
+                "state": _load_state(path / "state.pt"), "metadata": metadata}
 
     # -- internals -----------------------------------------------------------------------------
     def _set_aside_newer_than(self, step: int) -> None:

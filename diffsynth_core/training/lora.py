@@ -74,6 +74,7 @@ def inject_lora(model: nn.Module, targets, rank: int, alpha: float | None = None
     from peft import LoraConfig, inject_adapter_in_model
 
     full_names = resolve_lora_targets(model, list(targets))
+    _check_rank_fits(model, full_names, rank)
     alpha = float(rank if alpha is None else alpha)
     init_arg = True if init == "default" else init
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=full_names, init_lora_weights=init_arg,
@@ -82,6 +83,16 @@ def inject_lora(model: nn.Module, targets, rank: int, alpha: float | None = None
     inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
     _mark_adapters_trainable(model)
     return {"r": rank, "lora_alpha": alpha, "target_modules": list(targets), "init_lora_weights": init}
+
+
+def _check_rank_fits(model: nn.Module, names: list[str], rank: int) -> None:
+    """A rank past every target's width adds nothing a full update lacks, and 1e9 would try to allocate it."""
+    modules = dict(model.named_modules())
+    widest = max((min(modules[n].in_features, modules[n].out_features) for n in names
+                  if isinstance(modules.get(n), nn.Linear)), default=None)
+    if widest is not None and rank > widest:
+        raise InputError(f"train.lora_rank = {rank} exceeds the widest target layer's rank ({widest}): a LoRA's rank "
+                         f"is at most min(in, out) of its layer; use e.g. 16-128")
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -142,9 +153,16 @@ def read_lora_file(path: Path | str, modules: set[str],
     path = Path(path)
     if not path.is_file():
         raise InputError(f"LoRA file {path} not found")
-    with safe_open(str(path), framework="pt") as handle:
-        tensors = {k: handle.get_tensor(k) for k in handle.keys()}
-        config = _header_config(handle.metadata() or {})
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            tensors = {k: handle.get_tensor(k) for k in handle.keys()}
+            config = _header_config(handle.metadata() or {})
+    except InputError:
+        raise
+    except Exception as err:  # safetensors' SafetensorError (a broken header, offsets past the end) and kin
+        detail = " ".join(str(err).split())[:200]
+        raise InputError(f"LoRA file {path} cannot be read ({type(err).__name__}: {detail}): it is incomplete "
+                         "or not a safetensors file; give a whole .safetensors LoRA") from None
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
         module, part = _split_key(key)

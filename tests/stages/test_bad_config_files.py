@@ -1,9 +1,13 @@
-"""Config and metadata files that used to train wrong with exit 0 or reach the bug path: each is one line
-naming the file or key, exit 2, before any model loads."""
+"""Config, metadata, LoRA and checkpoint files that used to train wrong with exit 0 or reach the bug path:
+each is one line naming the file or key, exit 2."""
 
 from __future__ import annotations
 
+import json
+import os
+import pickle
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -89,3 +93,71 @@ def test_a_float_image_out_of_any_brightness_range_is_refused(tmp_path):
     Image.fromarray(np.full((16, 16), 4000.0, np.float32), "F").save(tmp_path / "hdr.tif")
     with pytest.raises(MediaError, match="float image with values from 4000 to 4000"):
         read_image(tmp_path / "hdr.tif")
+
+
+def _broken_header(path: Path, how: str) -> Path:
+    """A LoRA file whose header lies: its length 2^62, or a tensor's offsets past the end of the file."""
+    if how == "length":
+        path.write_bytes((2**62).to_bytes(8, "little") + b"{}")
+    else:
+        header = json.dumps({"a.lora_A.weight": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 64]}}).encode()
+        path.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 8)
+    return path
+
+
+@pytest.mark.parametrize("key", ["train.lora_checkpoint", "train.preset_lora_path"])
+@pytest.mark.parametrize("how", ["length", "offsets"])
+def test_a_lora_file_with_a_broken_header_is_one_line_exit_2(preprocessed_demo, tmp_path, capsys, key, how):
+    lora = _broken_header(tmp_path / "broken.safetensors", how)
+    code, err = cli(capsys, "train", preprocessed_demo / "config.toml", "--in-process",
+                    "--set", f"output.path={tmp_path / 'out'}", "--set", f"{key}={lora}")
+    assert_one_line(code, err, 2, f"LoRA file {lora} cannot be read", "give a whole .safetensors LoRA")
+
+
+def test_a_lora_rank_past_every_layer_is_one_line_exit_2(preprocessed_demo, tmp_path, capsys):
+    code, err = cli(capsys, "train", preprocessed_demo / "config.toml", "--in-process",
+                    "--set", f"output.path={tmp_path / 'out'}", "--set", "train.lora_rank=1e9")
+    assert_one_line(code, err, 2, "train.lora_rank = 1000000000 exceeds the widest target layer's rank")
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+@pytest.mark.parametrize("name", ["state.pt", "optimizer.pt"])
+def test_pickled_code_in_a_checkpoint_is_refused_as_input(preprocessed_demo, tmp_path, capsys, name):
+    out = tmp_path / "out"
+    args = ["train", preprocessed_demo / "config.toml", "--in-process", "--set", f"output.path={out}"]
+    assert cli(capsys, *args, "--set", "train.max_steps=1")[0] == 0
+    target = out / "checkpoints" / "step-00000001" / name
+    target.write_bytes(pickle.dumps(_Exploit()))
+    code, err = cli(capsys, *args, "--set", "train.max_steps=2")
+    assert_one_line(code, err, 2, f"checkpoint file {target} cannot be loaded safely", "pickled code?")
+    assert not (Path.cwd() / "pwned").exists()
+
+
+def test_a_diverged_run_of_two_steps_exports_nothing(preprocessed_demo, tmp_path, capsys):
+    """A learning rate of 1e30 steps weights to 1e30 without a NaN: the final export refuses them."""
+    out = tmp_path / "out"
+    code, err = cli(capsys, "train", preprocessed_demo / "config.toml", "--in-process", "--set", f"output.path={out}",
+                    "--set", "train.learning_rate=1e30", "--set", "train.max_steps=2")
+    assert_one_line(code, err, 2, "beyond any trained model's", "the run diverged and nothing was written",
+                    "train.learning_rate (now 1e+30)")
+    assert not (out / "lora.safetensors").exists()
+
+
+def test_a_temporary_file_left_by_a_killed_export_is_removed_by_the_next(tmp_path):
+    import subprocess
+    import sys
+
+    import torch
+
+    from diffsynth_core.models.lora_export import write_safetensors
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a PID no process holds now
+    stale = tmp_path / f".lora.safetensors.tmp-{dead.pid}"
+    stale.write_bytes(b"half a file")
+    write_safetensors(tmp_path / "lora.safetensors", {"w": torch.zeros(2)}, {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lora.safetensors"]
