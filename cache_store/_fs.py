@@ -18,7 +18,13 @@ from fsspec.implementations.local import LocalFileSystem
 class Root:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
         self.url, self.storage_options = url, storage_options
-        self.fs, self.path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        try:
+            self.fs, self.path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        except ImportError as err:  # fsspec knows the protocol, its package is not installed here
+            from diffsynth_core.errors import EnvironmentFailure
+
+            raise EnvironmentFailure(f"cache {url}: {err} (pip install it where this runs, e.g. s3fs for s3://)",
+                                     retryable=False) from None
         self.path = self.path.rstrip("/")
         self.local = isinstance(self.fs, LocalFileSystem)
 

@@ -136,6 +136,10 @@ def diffsynth_files(src: str | os.PathLike) -> list[Path]:
     files = [p for d in root.iterdir() if d.is_dir() and d.name.isdigit() for p in d.glob("*.pth")]
     if not files:
         raise CacheFormatError(f"{root}: no <rank>/<i>.pth files (not a DiffSynth split-training cache)")
+    special = [p for p in files if not p.is_file()]  # a FIFO would block its reader forever
+    if special:
+        raise CacheFormatError(f"{special[0]} is not a regular file ({len(special)} such under {root}): a DiffSynth "
+                               "cache holds only the .pth files its data_process task wrote; remove it")
 
     def order(p: Path):
         return (int(p.parent.name), int(p.stem) if p.stem.isdigit() else 1 << 62, p.stem)

@@ -110,7 +110,9 @@ def component_files(cfg: RunConfig, spec: FamilySpec, name: str) -> list[Path]:
     if name in (cfg.model.sources or {}):
         return _expand(cfg.model.sources[name], f"model.sources.{name}")
     root = Path(cfg.model.path)
-    if not cfg.model.path or not root.is_dir():
+    if not cfg.model.path:
+        raise InputError(f"model.path is empty: set it to a diffusers-layout model folder, or give model.sources.{name}")
+    if not root.is_dir():
         raise InputError(f"model.path {root} is not a directory (expected a diffusers-layout model folder); "
                          f"or give model.sources.{name}")
     folder = root / name

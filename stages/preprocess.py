@@ -65,13 +65,19 @@ def _unique_rows(plan: Plan) -> list[int]:
     return list(first_row.values())
 
 
-def _report_truncated(truncated: list[tuple[int, int]]) -> None:
-    """One warning line naming the rows whose prompts the text encoder cut (data rows from 1)."""
+def _report_truncated(truncated: list[tuple[int, int]], max_sequence_length: int | None) -> None:
+    """One warning line naming the rows whose prompts the text encoder cut (data rows from 1).
+
+    Raising ``preprocess.max_sequence_length`` helps only when it is what cut them: past the
+    encoder's own limit (Qwen-Image's 1024 tokens) the pipeline keeps no more."""
     if truncated:
+        kept = truncated[0][1]
         listed = ", ".join(str(row + 1) for row, _ in truncated[:10]) + (", ..." if len(truncated) > 10 else "")
+        advice = ("shorten them or raise preprocess.max_sequence_length" if max_sequence_length == kept else
+                  "shorten them: this is the text encoder's own limit, which preprocess.max_sequence_length "
+                  "cannot raise")
         log.warning("%d prompt(s) are longer than the text encoder keeps (%d tokens) and were truncated: "
-                    "data rows %s; shorten them or raise preprocess.max_sequence_length", len(truncated),
-                    truncated[0][1], listed)
+                    "data rows %s; %s", len(truncated), kept, listed, advice)
 
 
 def run(cfg: RunConfig, part: int | None = None) -> CacheSummary:
@@ -107,7 +113,7 @@ def _run_part(cfg: RunConfig, part: int | None, writer: str, lock) -> CacheSumma
 def _encode_rows(cfg: RunConfig, plan: Plan, store, rows: list[int], part: int | None,
                  empty_prompt_key: str | None = None) -> tuple[int, list[dict], int]:
     encoded, skipped, truncated = encode_rows(cfg, plan, store, rows, part, empty_prompt_key)  # stages/encoding.py
-    _report_truncated(truncated)
+    _report_truncated(truncated, cfg.preprocess.max_sequence_length)
     skipped_reasons = {row: (file, reason) for row, file, reason in plan.dataset.skipped}
     for item in skipped:
         item["file"], item["reason"] = skipped_reasons.get(item["row"], ("", ""))

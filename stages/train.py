@@ -165,6 +165,8 @@ def run(cfg: RunConfig) -> TrainSummary:
 def _train(cfg: RunConfig) -> TrainSummary:
     started = time.perf_counter()
     spec = family_of(cfg)
+    if cfg.model.path:  # a folder of another family is named as such, before the cache (made by it) is blamed
+        check_model_folder(spec, cfg.model.path)
     checkpoints = CheckpointManager(cfg.output_dir / "checkpoints")
     refuse_fixed_changes(cfg, checkpoints.latest_metadata(), str(checkpoints.latest_dir()))  # before any reading
     store, keys = training_keys(cfg)  # checked against the model, derived from the config

@@ -161,3 +161,14 @@ def test_a_temporary_file_left_by_a_killed_export_is_removed_by_the_next(tmp_pat
     stale.write_bytes(b"half a file")
     write_safetensors(tmp_path / "lora.safetensors", {"w": torch.zeros(2)}, {})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lora.safetensors"]
+
+
+def test_a_cache_url_without_its_filesystem_package_is_exit_3_not_retried(preprocessed_demo, tmp_path, capsys):
+    """gcs:// stands in for s3:// without s3fs: fsspec knows the protocol, its package is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed here")
+    code, err = cli(capsys, "train", preprocessed_demo / "config.toml", "--in-process",
+                    "--set", "cache.url='gcs://bucket/cache.zarr'", "--set", f"output.path={tmp_path / 'out'}")
+    assert_one_line(code, err, 3, "cache gcs://bucket/cache.zarr", "gcsfs", "pip install")

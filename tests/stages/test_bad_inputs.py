@@ -150,6 +150,20 @@ def test_truncated_prompts_are_counted_and_reported(cached, data, capsys, caplog
     assert code == 0 and "2 encoded, 0 already cached, 1 prompts truncated" in capsys.out
     assert any("1 prompt(s) are longer than the text encoder keeps (1024 tokens) and were truncated: data rows 2;"
                in r.getMessage() for r in caplog.records)
+    # Qwen-Image keeps at most 1024 tokens whatever the config says: the line does not send users to a key
+    # that cannot help
+    assert any("this is the text encoder's own limit, which preprocess.max_sequence_length cannot raise"
+               in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("override, fragments", [
+    ("model.family=flux", ["holds a QwenImagePipeline model", "model.family = 'flux'", "model.family = 'qwen_image'"]),
+    ("model.path=''", ["model.path is empty"]),
+], ids=["another family's folder", "empty model.path"])
+def test_model_settings_at_train_time_name_the_model_not_the_cache(cached, capsys, tmp_path, override, fragments):
+    code, err = _cli(capsys, "train", cached / "config.toml", "--in-process", "--set", override,
+                     "--set", f"output.path={tmp_path / 'out'}")
+    _assert_one_line(code, err, 2, *fragments)
 
 
 CONFIG_CASES = {

@@ -10,6 +10,7 @@ PIL images and a torch.device included, at the tiny models' widths.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -140,3 +141,13 @@ def test_cache_import_cli_and_a_wrong_family_named(tmp_path):
         train.run(wan)
     with pytest.raises(CacheFormatError, match="nowhere does not exist"):  # an InputError: exit 2
         import_cache(str(tmp_path / "nowhere"), str(tmp_path / "x.zarr"))
+
+
+def test_a_fifo_in_a_diffsynth_cache_folder_is_named_not_read(tmp_path):
+    """`cache import` never opens it (a FIFO would block its reader forever): one line, exit 2, at once."""
+    src = _diffsynth_cache(tmp_path / "models", "flux", n=1)
+    fifo = src / "0" / "7.pth"
+    os.mkfifo(fifo)
+    done = _cli(str(src), str(tmp_path / "cache.zarr"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert f"{fifo} is not a regular file" in done.stderr.strip().splitlines()[-1]
