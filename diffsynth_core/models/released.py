@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from ..errors import InputError
+from ..errors import InputError, classify
 from .loading import MODEL_INIT_LOCK, check_materialised
 from .single_file import _target_dtype, strip_prefixes
 from .weight_files import Shapes, StateDict, is_weight_file, load_files, read_shapes
@@ -179,10 +179,19 @@ def load_component(fmt: ReleasedFormat, files: Sequence[Path], dtype: torch.dtyp
     if not weights:
         raise InputError(f"no weight files among {[str(f) for f in files][:3]} for the {fmt.component}")
     config = _config_of(fmt, weights, config_file, shapes)
-    if fmt.library == "transformers" and fmt.convert is None:  # transformers knows its checkpoints' renames
-        model = _from_pretrained(fmt, weights, config, dtype)
-    else:
-        model = _from_converted(fmt, weights, config, dtype)
+    try:
+        if fmt.library == "transformers" and fmt.convert is None:  # transformers knows its checkpoints' renames
+            model = _from_pretrained(fmt, weights, config, dtype)
+        else:
+            model = _from_converted(fmt, weights, config, dtype)
+    except (ValueError, ZeroDivisionError, TypeError, KeyError, IndexError, RuntimeError) as exc:
+        if isinstance(exc, InputError) or classify(exc) is not None:  # ours already, or the disk's
+            raise
+        # the class refuses the config derived from these shapes (GroupNorm groups, a head count): the
+        # files are not what they look like, which re-running cannot change
+        detail = " ".join(str(exc).split())[:200]
+        raise InputError(f"{weights[0]}: {fmt.class_name} cannot be built from the config its shapes give "
+                         f"({type(exc).__name__}: {detail}); are these {fmt.description}?") from exc
     check_materialised(model, weights[0])
     model = model.eval()
     return model.to(device) if torch.device(device).type != "cpu" else model

@@ -172,3 +172,24 @@ def test_a_cache_url_without_its_filesystem_package_is_exit_3_not_retried(prepro
     code, err = cli(capsys, "train", preprocessed_demo / "config.toml", "--in-process",
                     "--set", "cache.url='gcs://bucket/cache.zarr'", "--set", f"output.path={tmp_path / 'out'}")
     assert_one_line(code, err, 3, "cache gcs://bucket/cache.zarr", "gcsfs", "pip install")
+
+
+def test_released_weights_whose_class_refuses_the_derived_config_are_input(tmp_path):
+    """A VAE too narrow for FLUX's 32 GroupNorm groups: the file is named, as input (exit 2), not retried as exit 3."""
+    import torch
+    from diffusers import AutoencoderKL
+    from safetensors.torch import save_file
+
+    from diffsynth_core.errors import InputError
+    from diffsynth_core.models.flux_released import FORMATS
+    from diffsynth_core.models.released import find_format, load_component
+    from tests.core.models.released_layouts import ldm_vae_names
+
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, down_block_types=["DownEncoderBlock2D"] * 2,
+                        up_block_types=["UpDecoderBlock2D"] * 2, block_out_channels=[8, 8], layers_per_block=1,
+                        norm_num_groups=4)
+    file = tmp_path / "ae.safetensors"
+    save_file({k: v.contiguous() for k, v in ldm_vae_names(vae.state_dict()).items()}, str(file))
+    fmt = find_format(FORMATS, "vae", [file])
+    with pytest.raises(InputError, match=f"{file}: AutoencoderKL cannot be built from the config its shapes give"):
+        load_component(fmt, [file], torch.float32)
