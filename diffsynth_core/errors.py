@@ -24,6 +24,7 @@ This module imports nothing, so ``cache_store`` and ``stages`` can raise these t
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import re
 
@@ -160,3 +161,17 @@ def is_retryable(exc: BaseException) -> bool:
     """Whether running the same work again may succeed: input errors never, bugs and outages may."""
     classified = classify(exc)
     return True if classified is None else classified.retryable
+
+
+
+@contextlib.contextmanager
+def naming_the_place(what: str, place: str):
+    """``with naming_the_place("writing cache", url):``: an environment failure inside (a full disk, a
+    read-only folder) whose line does not name ``place`` gets ``what place:`` in front of it."""
+    try:
+        yield
+    except Exception as err:
+        found = classify(err)
+        if isinstance(found, EnvironmentFailure) and place not in str(found):
+            raise EnvironmentFailure(f"{what} {place}: {found}", retryable=found.retryable) from err
+        raise

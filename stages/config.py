@@ -325,6 +325,9 @@ class OutputSection(_Section):
     # LoRA files besides the final lora*.safetensors, in <path>/loras/ (docs/lora_files.md):
     # "epoch": epoch-K (K from 0, as DiffSynth-Studio), "save": step-N at every checkpoint, "end": none.
     export_every: Literal["epoch", "save", "end"] = "epoch"
+    # Each of those exports also as <path>/epoch-K.safetensors (step-N) in DiffSynth-Studio's own format,
+    # where its validate.py loads it; a DiffSynth command line sets it (docs/diffsynth.md).
+    diffsynth_files: bool = False
 
 
 class OrchestrationSection(_Section):

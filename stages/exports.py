@@ -10,6 +10,8 @@ nothing here (its weights are in the checkpoints).
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +38,10 @@ def export_lora(spec: FamilySpec, model: torch.nn.Module, lora_config: dict[str,
 class LoraExporter:
     """A training callback (see ``Trainer``) writing the LoRA at epoch ends or checkpoint saves."""
 
-    def __init__(self, spec: FamilySpec, output_dir: Path, every: str):
+    def __init__(self, spec: FamilySpec, output_dir: Path, every: str, diffsynth_files: bool = False):
         self.spec, self.folder, self.every = spec, Path(output_dir) / "loras", every
+        # DiffSynth-Studio's own names beside the output (its ModelLogger.save_model: <output_path>/epoch-K)
+        self.diffsynth_folder = Path(output_dir) if diffsynth_files else None
 
     def __call__(self, step: int, model: torch.nn.Module) -> None:
         """Nothing per step: exports follow epochs or checkpoints."""
@@ -54,4 +58,14 @@ class LoraExporter:
         if lora_config is None:
             return
         paths = export_lora(self.spec, model, lora_config, self.folder, stem)
+        if self.diffsynth_folder is not None and "diffsynth" in paths:
+            paths["diffsynth_own"] = str(_copied(Path(paths["diffsynth"]), self.diffsynth_folder / f"{stem}.safetensors"))
         log.info("LoRA exported: %s", ", ".join(paths.values()))
+
+
+def _copied(source: Path, target: Path) -> Path:
+    """``source`` copied to ``target`` through a temporary file: a reader sees the old file or the new one."""
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    shutil.copyfile(source, tmp)
+    os.replace(tmp, target)
+    return target

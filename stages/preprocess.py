@@ -20,7 +20,7 @@ from .encoding import encode_rows, release_encoders
 from .keys import Plan, empty_prompt_key, make_plan, needs
 from .locks import cache_part_lock
 from .secrets import storage_options
-from diffsynth_core.errors import InputError
+from diffsynth_core.errors import InputError, naming_the_place
 
 log = logging.getLogger(__name__)
 PREPROCESS_CONFIG = "preprocess.toml"  # the config that encoded the cache, beside it in output.path
@@ -86,7 +86,8 @@ def run(cfg: RunConfig, part: int | None = None) -> CacheSummary:
         raise InputError(f"part {part} out of range: preprocess.parts = {parts}")
     writer = "all" if part is None else f"part-{part}-of-{parts}"
     with cache_part_lock(cfg, writer) as lock:  # one writer per part: a second is refused, naming the first
-        return _run_part(cfg, part, writer, lock)
+        with naming_the_place("writing cache", cfg.cache_url):
+            return _run_part(cfg, part, writer, lock)
 
 
 def _run_part(cfg: RunConfig, part: int | None, writer: str, lock) -> CacheSummary:

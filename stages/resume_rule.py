@@ -84,7 +84,7 @@ RULES: dict[str, Kind] = {
     "offload.granularity": R,
     "offload.storage_dtype": F,
     # [output]
-    "output.path": R, "output.export_every": C,
+    "output.path": R, "output.export_every": C, "output.diffsynth_files": R,
     # [orchestration]
     "orchestration.api_grace_s": R, "orchestration.retry_delay_s": R, "orchestration.heartbeat_s": R,
     "orchestration.stale_after_s": R, "orchestration.poll_s": R,

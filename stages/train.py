@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from diffsynth_core.models import FamilySpec, check_model_folder
 from diffsynth_core.models.lora_export import DIFFUSERS_FILE
-from diffsynth_core.errors import InputError
+from diffsynth_core.errors import InputError, naming_the_place
 from diffsynth_core.gradient import activation_offloader
 from diffsynth_core.training.checkpoint import CheckpointManager
 from diffsynth_core.training.device import avoid_broken_kernels, configure_determinism
@@ -187,7 +187,7 @@ def _train(cfg: RunConfig) -> TrainSummary:
                      planned_total(cfg, store, keys, 0, world), keys)
     transformer = load_transformer(cfg, spec)
     samples = CachedSamples(store, keys)
-    callbacks = [LoraExporter(spec, output, cfg.output.export_every)]
+    callbacks = [LoraExporter(spec, output, cfg.output.export_every, cfg.output.diffsynth_files)]
     if cfg.train.validation_prompts and keys:  # render at the size of the first training sample
         meta = samples[0]["meta"]
         callbacks.append(ValidationRenderer(cfg, spec, (meta["height"], meta["width"]), meta.get("num_frames", 1)))
@@ -211,9 +211,10 @@ def _train(cfg: RunConfig) -> TrainSummary:
     if result.offload is not None and result.lora_config is None:
         result.offload.detach()  # full fine-tuning exports every weight: back in place, no second copy
     rate = cfg.train.learning_rate
-    exports = _export(spec, result, output, rate) if trainer.rank == 0 else {}
-    if trainer.rank == 0 and result.ema is not None:
-        exports.update(_export_ema(spec, result, output, rate))
+    with naming_the_place("writing the final export in", str(output)):  # a full disk names the folder
+        exports = _export(spec, result, output, rate) if trainer.rank == 0 else {}
+        if trainer.rank == 0 and result.ema is not None:
+            exports.update(_export_ema(spec, result, output, rate))
     if result.offload is not None and result.lora_config is not None:
         # The adapters were read with the engine attached: release the frozen base, never restore it
         # (restoring would hold a second host copy of the DiT at the very end of the run).

@@ -363,6 +363,8 @@ def run_config_from_cli(config: str | None, sets: list[str], tokens: list[str], 
     _apply_training(data, flags, defaults, family, stage)
     _apply_family_defaults(data, flags, defaults, family)
     _apply_dataset(data, flags, stage)
+    if flags:  # a DiffSynth user's next command (validate.py) looks for <output_path>/epoch-K.safetensors
+        data.setdefault("output", {})["diffsynth_files"] = True  # (--set output.diffsynth_files=false wins)
     # LoRA targets are checked against the model by the verb, once it knows training has work left
     # (flows/orchestrate.py): building the DiT on meta costs seconds a finished run need not pay.
     return build_config(data, list(sets), source=config or "DiffSynth-Studio flags")

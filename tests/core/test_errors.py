@@ -88,3 +88,17 @@ def test_prefects_termination_signal_is_an_interrupt_and_system_exit_is_not():
 
     assert exit_code_of(_raised_while_handling(TerminationSignal(15), RuntimeError("x"))) == EXIT_INTERRUPTED
     assert classify(_raised_while_handling(SystemExit(0), RuntimeError("x"))) is None
+
+
+def test_a_full_disk_names_the_place_being_written():
+    """/dev/full answers every write with ENOSPC and no file name, as a full disk under a library does."""
+    import pytest
+
+    from diffsynth_core.errors import EnvironmentFailure, naming_the_place
+
+    with pytest.raises(EnvironmentFailure) as err:
+        with naming_the_place("writing the final export in", "/runs/out"):
+            with open("/dev/full", "wb", buffering=0) as handle:
+                handle.write(b"x" * 64)
+    assert str(err.value).startswith("writing the final export in /runs/out: ") and "disk is full" in str(err.value)
+    assert err.value.retryable is False

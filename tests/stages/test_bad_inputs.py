@@ -348,5 +348,6 @@ def test_a_full_disk_and_read_only_folders_are_one_line_exit_3_and_lose_nothing(
                      "writing checkpoint", "step-00000004 failed, earlier checkpoints are intact", "disk is full")
     assert results["after"] == {"latest": "step-00000002", "left": ["latest", "step-00000002"], "lora_intact": True}
     assert results["resumed"]["code"] == 0  # space freed: training resumes from step 2 and finishes
-    _assert_one_line(results["cache_full"]["code"], results["cache_full"]["err"], 3, "disk is full")
+    _assert_one_line(results["cache_full"]["code"], results["cache_full"]["err"], 3, "disk is full",
+                     f"writing cache {tmp_path / 'tiny' / 'cache.zarr'}")
     assert results["cache_kept"]["entries"] >= 2 and results["cache_kept"]["verified"]  # committed entries stay

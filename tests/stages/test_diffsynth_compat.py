@@ -176,3 +176,21 @@ def test_the_flag_table_is_documented():
 def test_deploy_without_a_config_file_says_what_to_do(capsys):
     assert main(["deploy", "--dataset_base_path", "d"]) == 2
     assert "registers a CONFIG file" in capsys.readouterr().err
+
+
+def test_a_diffsynth_command_line_leaves_epoch_files_where_diffsynth_writes_them(preprocessed_demo, tmp_path):
+    """DiffSynth's ModelLogger writes <output_path>/epoch-K.safetensors and its validate.py loads that name:
+    the run leaves the DiffSynth-format export there (tests/core/models/test_lora_consumers.py loads that
+    format with DiffSynth's own key conventions)."""
+    from stages.compat.diffsynth import run_config_from_cli as config_of
+
+    out = tmp_path / "models"
+    assert main(["train", str(preprocessed_demo / "config.toml"), "--in-process", "--output_path", str(out),
+                 "--num_epochs", "1", "--set", "train.max_steps=16", "--set", "train.save_steps=0"]) == 0
+    assert config_of(str(preprocessed_demo / "config.toml"), [], ["--output_path", str(out)], "train").output.diffsynth_files
+    assert (out / "epoch-0.safetensors").read_bytes() == (out / "loras" / "epoch-0_diffsynth.safetensors").read_bytes()
+    assert not list(out.glob(".epoch-0.safetensors.tmp-*"))
+    plain = tmp_path / "plain"
+    assert main(["train", str(preprocessed_demo / "config.toml"), "--in-process", "--set", f"output.path={plain}",
+                 "--set", "train.max_steps=16", "--set", "train.save_steps=0"]) == 0
+    assert not (plain / "epoch-0.safetensors").exists()  # a splitflow config keeps its own layout
