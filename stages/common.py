@@ -146,10 +146,11 @@ def check_lora_targets(cfg: RunConfig, spec: FamilySpec, local: bool = True) -> 
     ``local=False``: the stage runs on work pools, whose machines hold the model; when its files are
     not on this machine the check is left to them (their load names what is missing)."""
     from diffsynth_core.models import released
-    from diffsynth_core.training.lora import resolve_lora_targets
+    from diffsynth_core.training.lora import read_lora_file, resolve_lora_targets
 
     train, name = cfg.train, spec.transformer_component
-    if train.lora_checkpoint or train.lora_rank <= 0 or name in train.trainable_models or cfg.model.transformer_file:
+    if train.lora_rank <= 0 and not train.lora_checkpoint or name in train.trainable_models or \
+            cfg.model.transformer_file:
         return
     if name in (cfg.model.sources or {}):
         if not local and not all(Path(p).exists() for p in cfg.model.sources[name]):
@@ -160,6 +161,10 @@ def check_lora_targets(cfg: RunConfig, spec: FamilySpec, local: bool = True) -> 
         model = released.build_folder_component_on_meta(Path(cfg.model.path), name)
     else:
         return  # not a diffusers folder: loading reports it
+    if train.lora_checkpoint:  # the file continued must fit this DiT (its own names, or DiffSynth's)
+        linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        read_lora_file(train.lora_checkpoint, linears, spec.native_module_name)
+        return
     resolve_lora_targets(model, train.lora_target_modules or list(spec.lora_target_modules))
 
 

@@ -326,6 +326,31 @@ def _diffsynth_layout(pairs: dict[str, lora_export.Pair]) -> dict[str, lora_expo
     return out
 
 
+_FROM_DIFFSYNTH_GLOBAL = {v: k for k, v in _DIFFSYNTH_GLOBAL.items()}
+_DIFFSYNTH_BLOCKS = {"blocks": ("transformer_blocks", _DIFFSYNTH_DOUBLE, _DIFFSYNTH_FUSED_DOUBLE),
+                     "single_blocks": ("single_transformer_blocks", _DIFFSYNTH_SINGLE, _DIFFSYNTH_FUSED_SINGLE)}
+
+
+def diffusers_module_name(name: str) -> str | lora_export.FusedLinear | None:
+    """The diffusers module(s) of a DiffSynth FLUX DiT module (the inverse of ``_diffsynth_layout``), so
+    a LoRA trained by DiffSynth, or splitflow's ``lora_diffsynth.safetensors``, continues here."""
+    if name in _FROM_DIFFSYNTH_GLOBAL:
+        module = _FROM_DIFFSYNTH_GLOBAL[name]
+        return lora_export.FusedLinear((module,), (1,), swap_halves=True) if module == "norm_out.linear" else module
+    container, index, rest = (name.split(".", 2) + ["", ""])[:3]
+    if container not in _DIFFSYNTH_BLOCKS or not index.isdigit():
+        return None
+    ours, plain, fused = _DIFFSYNTH_BLOCKS[container]
+    prefix = f"{ours}.{index}."
+    inverse = {theirs: mine for mine, theirs in plain.items()}
+    if rest in inverse:
+        return prefix + inverse[rest]
+    if rest in fused:
+        parts, widths = fused[rest]
+        return lora_export.FusedLinear(tuple(prefix + part for part in parts), widths)
+    return None
+
+
 def export_lora(peft_state_dict: dict[str, torch.Tensor], lora_config: dict[str, Any],
                 out_dir: Path, *, stem: str = "lora") -> dict[str, Path]:
     """diffusers, ComfyUI and DiffSynth files.  ComfyUI maps ``transformer.<diffusers name>`` onto
@@ -364,6 +389,7 @@ SPEC = FamilySpec(
     prompt_encode_bytes=t5_xxl_prompt_bytes,
     dit_forward=dit_forward,
     export_lora=export_lora,
+    native_module_name=diffusers_module_name,  # DiffSynth-layout LoRAs (fused q/k/v) continue here
     save_tiny_model=save_tiny_model,
     pipeline_class_name=PIPELINE_CLASS,
     count_prompt_tokens=count_prompt_tokens,

@@ -21,6 +21,8 @@ the same weights give byte-identical files.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import json
 import math
 import os
@@ -230,6 +232,17 @@ def scaled_pairs(peft_state_dict: dict[str, torch.Tensor], lora_config: dict[str
 def renamed(rename: Callable[[str], str]) -> Callable[[dict[str, Pair]], dict[str, Pair]]:
     """A DiffSynth layout that only renames modules (families whose DiT keeps one Linear per module)."""
     return lambda pairs: {rename(module): pair for module, pair in pairs.items()}
+
+
+@dataclass(frozen=True)
+class FusedLinear:
+    """A Linear of another layout that is several of the model's (DiffSynth's FLUX ``a_to_qkv``): its output
+    rows are ``parts`` in order, ``widths`` in units of the first; ``swap_halves``: its two output halves are
+    swapped (DiffSynth's ``final_norm_out``).  A family's ``native_module_name`` may return one."""
+
+    parts: tuple[str, ...]
+    widths: tuple[int, ...]
+    swap_halves: bool = False
 
 
 def fuse_pairs(parts: list[Pair | None], widths: list[int]) -> Pair:

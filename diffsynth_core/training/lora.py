@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..errors import InputError
+from ..models.lora_export import FusedLinear
 
 ADAPTER_NAME = "default"
 # Component and wrapper prefixes of LoRA keys (diffusers, ComfyUI, peft).
@@ -156,7 +157,9 @@ def read_lora_file(path: Path | str, modules: set[str],
     try:
         with safe_open(str(path), framework="pt") as handle:
             tensors = {k: handle.get_tensor(k) for k in handle.keys()}
-            config = _header_config(handle.metadata() or {})
+            metadata = handle.metadata() or {}
+            # DiffSynth-format files carry alpha/r in lora_A already: read at alpha = rank, as DiffSynth does
+            config = {} if "splitflow_scale" in metadata else _header_config(metadata)
     except InputError:
         raise
     except Exception as err:  # safetensors' SafetensorError (a broken header, offsets past the end) and kin
@@ -164,13 +167,17 @@ def read_lora_file(path: Path | str, modules: set[str],
         raise InputError(f"LoRA file {path} cannot be read ({type(err).__name__}: {detail}): it is incomplete "
                          "or not a safetensors file; give a whole .safetensors LoRA") from None
     parts: dict[str, dict[str, torch.Tensor]] = {}
+    fused: dict[str, FusedLinear] = {}  # the file's module -> the model's modules it stands for
     for key, value in tensors.items():
         module, part = _split_key(key)
         if not part:
             raise InputError(f"LoRA file {path}: key {key!r} is not a LoRA down/up weight or alpha")
-        if module not in modules and rename is not None:
-            module = rename(module) or module
-        if module not in modules:
+        target = rename(module) if module not in modules and rename is not None else None
+        if isinstance(target, FusedLinear):
+            fused[module] = target
+        elif target is not None:
+            module = target
+        if module not in modules and module not in fused:
             raise InputError(f"LoRA file {path}: key {key!r} names no module of the model")
         parts.setdefault(module, {})[part] = value
     out = {}
@@ -179,9 +186,39 @@ def read_lora_file(path: Path | str, modules: set[str],
             raise InputError(f"LoRA file {path}: module {module!r} lacks its lora_A (down) or lora_B (up) weight")
         rank = found["down"].shape[0]
         alpha = float(found["alpha"]) if "alpha" in found else _header_alpha(config, module, rank)
-        out[module] = LoraModule(found["down"], found["up"], alpha)
+        if module in fused:
+            out.update(_unfused(LoraModule(found["down"], found["up"], alpha), fused[module], modules, path, module))
+        else:
+            out[module] = LoraModule(found["down"], found["up"], alpha)
     if not out:
         raise InputError(f"LoRA file {path}: no lora_A/lora_B pairs found")
+    return out
+
+
+def _unfused(lora: LoraModule, fused: FusedLinear, modules: set[str], path: Path, name: str) -> dict[str, LoraModule]:
+    """A LoRA on a fused Linear as LoRAs on its parts, the same update exactly: each part keeps the rows
+    of B it owns, and the ranks whose columns there are not all zero (a block-diagonal B, as splitflow's
+    own DiffSynth export writes, gives each part back its own rank; DiffSynth's dense B keeps them all).
+    A part whose rows are all zero had no LoRA, unless none has one yet (an untrained file)."""
+    up = lora.up
+    if fused.swap_halves:
+        half = up.shape[0] // 2
+        up = torch.cat([up[half:], up[:half]])
+    unit, left = divmod(up.shape[0], sum(fused.widths))
+    if left:
+        raise InputError(f"LoRA file {path}: {name}'s {up.shape[0]} outputs do not split into {list(fused.parts)}")
+    rows = [up[start:start + width * unit] for start, width in zip(
+        [unit * sum(fused.widths[:i]) for i in range(len(fused.widths))], fused.widths)]
+    trained = [bool(b.any()) for b in rows]
+    out = {}
+    for part, b, has_lora in zip(fused.parts, rows, trained):
+        if any(trained) and not has_lora:
+            continue
+        if part not in modules:
+            raise InputError(f"LoRA file {path}: {name} stands for {part}, which the model lacks")
+        keep = b.any(dim=0) if has_lora else torch.ones(b.shape[1], dtype=torch.bool)
+        down, up_part = lora.down[keep].contiguous(), b[:, keep].contiguous()
+        out[part] = LoraModule(down, up_part, lora.alpha * down.shape[0] / lora.rank)  # the same alpha / r
     return out
 
 
