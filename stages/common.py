@@ -111,7 +111,8 @@ def component_files(cfg: RunConfig, spec: FamilySpec, name: str) -> list[Path]:
         return _expand(cfg.model.sources[name], f"model.sources.{name}")
     root = Path(cfg.model.path)
     if not cfg.model.path:
-        raise InputError(f"model.path is empty: set it to a diffusers-layout model folder, or give model.sources.{name}")
+        raise InputError("model.path is empty: set it to a diffusers-layout model folder, or give "
+                         f"model.sources.{name}")
     if not root.is_dir():
         raise InputError(f"model.path {root} is not a directory (expected a diffusers-layout model folder); "
                          f"or give model.sources.{name}")

@@ -59,7 +59,8 @@ class LoraExporter:
             return
         paths = export_lora(self.spec, model, lora_config, self.folder, stem)
         if self.diffsynth_folder is not None and "diffsynth" in paths:
-            paths["diffsynth_own"] = str(_copied(Path(paths["diffsynth"]), self.diffsynth_folder / f"{stem}.safetensors"))
+            own = self.diffsynth_folder / f"{stem}.safetensors"
+            paths["diffsynth_own"] = str(_copied(Path(paths["diffsynth"]), own))
         log.info("LoRA exported: %s", ", ".join(paths.values()))
 
 

@@ -193,8 +193,8 @@ def _train(cfg: RunConfig) -> TrainSummary:
         callbacks.append(ValidationRenderer(cfg, spec, (meta["height"], meta["width"]), meta.get("num_frames", 1)))
     trainer = Trainer(spec, transformer, samples, cfg.train, cfg.offload, output,
                       device=device, repeat=cfg.dataset.repeat, callbacks=callbacks,
-                      checkpoint_metadata={METADATA_KEY: base, SETTINGS_KEY: settings(cfg), SAMPLES_KEY: sample_record(keys)}
-                      if base else None,
+                      checkpoint_metadata={METADATA_KEY: base, SETTINGS_KEY: settings(cfg),
+                                           SAMPLES_KEY: sample_record(keys)} if base else None,
                       empty_prompt=empty_prompt)
     result = trainer.fit()
     report = result.offload.report() if result.offload is not None else {}  # planned vs measured bytes, GPU peak

@@ -105,9 +105,9 @@ def require_trained_weights(tensors: Mapping[str, torch.Tensor], what: str, lear
                 largest, name = peak, key
     if largest > ABSURD_WEIGHT:
         rate = f" (now {learning_rate:g})" if learning_rate is not None else ""
-        raise InputError(f"{what}: weight {name} reaches {largest:.3g}, beyond any trained model's ({ABSURD_WEIGHT:g}): "
-                         f"the run diverged and nothing was written. Lower train.learning_rate{rate} and train "
-                         "into another output.path")
+        raise InputError(f"{what}: weight {name} reaches {largest:.3g}, beyond any trained model's "
+                         f"({ABSURD_WEIGHT:g}): the run diverged and nothing was written. Lower "
+                         f"train.learning_rate{rate} and train into another output.path")
 
 
 class GradientCoverage:

@@ -15,7 +15,8 @@ def cli(capsys, *argv) -> tuple[int, str]:
 
 
 def assert_one_line(code: int, err: str, expected_code: int, *fragments: str) -> str:
-    """The verb failed with ``expected_code`` and one ``splitflow VERB: error: ...`` line, last, holding ``fragments``."""
+    """The verb failed with ``expected_code`` and one ``splitflow VERB: error: ...`` line, last, holding
+    ``fragments``."""
     assert "Traceback" not in err, err
     lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("splitflow ") and " error: " in line]

@@ -67,7 +67,8 @@ def test_bad_metadata_files_are_one_line_exit_2(preprocessed_demo, tmp_path, cap
     shutil.copy(next((preprocessed_demo / "dataset").glob("*.png")), tmp_path / "ok.png")
     (tmp_path / f"metadata{suffix}").write_bytes(content)
     code, err = cli(capsys, "preprocess", preprocessed_demo / "config.toml", "--part", 0,
-                    "--set", f"dataset.base_path={tmp_path}", "--set", f"dataset.metadata_path={tmp_path / f'metadata{suffix}'}",
+                    "--set", f"dataset.base_path={tmp_path}",
+                    "--set", f"dataset.metadata_path={tmp_path / f'metadata{suffix}'}",
                     "--set", f"cache.url={tmp_path / 'cache.zarr'}", "--set", f"output.path={tmp_path / 'out'}")
     assert_one_line(code, err, 2, f"metadata{suffix}", *fragments)
 

@@ -187,7 +187,8 @@ def test_a_diffsynth_command_line_leaves_epoch_files_where_diffsynth_writes_them
     out = tmp_path / "models"
     assert main(["train", str(preprocessed_demo / "config.toml"), "--in-process", "--output_path", str(out),
                  "--num_epochs", "1", "--set", "train.max_steps=16", "--set", "train.save_steps=0"]) == 0
-    assert config_of(str(preprocessed_demo / "config.toml"), [], ["--output_path", str(out)], "train").output.diffsynth_files
+    cfg = config_of(str(preprocessed_demo / "config.toml"), [], ["--output_path", str(out)], "train")
+    assert cfg.output.diffsynth_files
     assert (out / "epoch-0.safetensors").read_bytes() == (out / "loras" / "epoch-0_diffsynth.safetensors").read_bytes()
     assert not list(out.glob(".epoch-0.safetensors.tmp-*"))
     plain = tmp_path / "plain"
