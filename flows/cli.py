@@ -53,14 +53,18 @@ def _print(result) -> None:
     print(json.dumps(result, indent=2, default=str))
 
 
-def _run_stages(args, extra, stages: tuple[str, ...]) -> int:
+def _run_stages(args, extra, stages: tuple[str, ...], cfg: RunConfig | None = None) -> int:
     from flows.orchestrate import orchestrate
+    from stages.precheck import check_inputs, first_run_cleanup
 
-    cfg = _config(args, extra)
-    ref, overrides = _reference(args, extra, cfg)
-    name = _run_name(args, cfg)
+    cfg = cfg or _config(args, extra)
     pools = {"preprocess": getattr(args, "preprocess_pool", None), "train": getattr(args, "train_pool", None)}
-    _print(orchestrate(cfg, ref, overrides, name, stages, pools, args.debug))
+    if not any(pools.values()):  # on work pools the data and the model are where the workers are
+        check_inputs(cfg, stages)  # from disk, before anything is written or Prefect starts
+    with first_run_cleanup(cfg):
+        ref, overrides = _reference(args, extra, cfg)
+        name = _run_name(args, cfg)
+        _print(orchestrate(cfg, ref, overrides, name, stages, pools, args.debug))
     return 0
 
 
@@ -70,11 +74,17 @@ def cmd_demo(args, extra) -> int:
 
     workdir = Path(args.workdir)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    _, config_path = prepare_demo(workdir, args.family, diffsynth.flag_overrides(extra) + list(args.set))
+    cfg, config_path = prepare_demo(workdir, args.family, diffsynth.flag_overrides(extra) + list(args.set))
     print(f"demo: dataset, tiny {args.family} model and {config_path} ready in {workdir}")
     args.config, args.set, args.name = str(config_path), [], args.name or workdir.resolve().name
     _run_stages(args, [], ("preprocess", "train"))
-    print(f"outputs in {workdir / 'output'}; rerun any verb with: splitflow <verb> {config_path}")
+    from stages.demo import loss_trend
+    from stages.status import metric_rows
+
+    output = workdir / "output"
+    print(f"{loss_trend(metric_rows(cfg))}; validation images (one every {cfg.train.validation_steps} steps) in "
+          f"{output / 'validation'}")
+    print(f"outputs in {output}; rerun any verb with: splitflow <verb> {config_path}")
     return 0
 
 
@@ -85,8 +95,10 @@ def cmd_run(args, extra) -> int:
 def cmd_preprocess(args, extra) -> int:
     if args.part is not None:  # one part, no orchestration: what a worker machine runs
         from stages import preprocess
+        from stages.precheck import check_inputs
 
         cfg = _config(args, extra)
+        check_inputs(cfg, ("preprocess",))
         print(preprocess.run(cfg, args.part).describe())
         return 0
     return _run_stages(args, extra, ("preprocess",))
@@ -96,8 +108,10 @@ def cmd_train(args, extra) -> int:
     # No orchestration: what each rank of `torchrun ... -m flows.cli train CONFIG --in-process` runs.
     if args.in_process:
         from stages import train
+        from stages.precheck import check_inputs
 
         cfg = _config(args, extra)
+        check_inputs(cfg, ("train",))
         print(train.run(cfg).describe())
         return 0
     return _run_stages(args, extra, ("train",))
@@ -177,16 +191,25 @@ VERBS = {
 }
 
 
+DIFFSYNTH_FLAGS = ("Every verb that takes CONFIG also takes DiffSynth-Studio's flags (--dataset_base_path, "
+                   "--dataset_metadata_path, --model_id_with_origin_paths, --lora_rank, --learning_rate, "
+                   "--enable_model_cpu_offload, ...), with or without a CONFIG: the table is in docs/diffsynth.md.")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from diffsynth_core.models import known_families
+
     parser = argparse.ArgumentParser(
         prog="splitflow",
         description="Fine-tune diffusion transformers on small GPUs: preprocess (encoders -> cache), "
                     "then train (DiT or LoRA from the cache, weights offloaded). Try: splitflow demo",
+        epilog=DIFFSYNTH_FLAGS,
     )
     parser.add_argument("--debug", action="store_true", help="show the traceback of a failure")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     for name, (_, help_text) in VERBS.items():
-        sub = verbs.add_parser(name, help=help_text, description=help_text)
+        sub = verbs.add_parser(name, help=help_text, description=help_text,
+                               epilog=DIFFSYNTH_FLAGS if name not in ("cache", "demo") else None)
         sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                          help="show the traceback of a failure")
         if name == "cache":
@@ -199,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         if name == "demo":
             sub.add_argument("--workdir", default=DEFAULT_DEMO_DIR, help="where the demo writes everything")
-            sub.add_argument("--family", default="qwen_image", help="model family of the tiny model")
+            sub.add_argument("--family", default="qwen_image", choices=known_families(),
+                             help="model family of the tiny model: %(choices)s (default: %(default)s)")
         else:
             sub.add_argument("config", nargs="?", help="run config (TOML or YAML; see examples/); optional "
                                                        "when DiffSynth-Studio flags give the model and data")
