@@ -162,8 +162,15 @@ def cmd_cache(args, extra) -> int:
 
     if args.action == "import":
         return _cache_import(args)
+    if Path(args.path).is_file() and Path(args.path).suffix in (".toml", ".yaml", ".yml", ".json"):
+        cfg = _config(argparse.Namespace(config=args.path, set=[], verb="cache"), [])
+        raise InputError(f"{args.path} is a run config, not a cache: splitflow cache {args.action} takes the "
+                         f"cache itself, here its cache.url: splitflow cache {args.action} {cfg.cache_url}")
     report = inspect_cache(args.path, verify=args.action == "verify")
     print(format_inspect(report))
+    # No cache at PATH is the same mistake for both (exit 2); a cache inspect can read is fine to inspect.
+    if "error" in report:
+        return EXIT_INPUT
     return 0 if args.action == "inspect" or report.get("ok", False) else EXIT_INPUT  # a bad cache is input
 
 

@@ -33,7 +33,6 @@ def check_inputs(cfg: RunConfig, stages: tuple[str, ...]) -> None:
 
     from .common import component_files, family_of
 
-    _check_dataset_folder(cfg)
     _check_model_folder(cfg)
     spec = family_of(cfg)
     if cfg.model.path:
@@ -44,6 +43,7 @@ def check_inputs(cfg: RunConfig, stages: tuple[str, ...]) -> None:
         _check_model(cfg, lambda n=name: component_files(cfg, spec, n))
     if "preprocess" in stages or cfg.dataset.metadata_path or cfg.dataset.sources:
         _check_metadata(cfg, spec)
+        _check_dataset_folder(cfg)
     if "preprocess" not in stages:
         _check_cache_exists(cfg)
     _check_writable(cfg.output_dir, "output.path")
