@@ -55,12 +55,14 @@ def _print(result) -> None:
 
 def _run_stages(args, extra, stages: tuple[str, ...], cfg: RunConfig | None = None) -> int:
     from flows.orchestrate import orchestrate
-    from stages.precheck import check_inputs, first_run_cleanup
+    from stages.precheck import check_inputs, first_run_cleanup, length_note
 
     cfg = cfg or _config(args, extra)
     pools = {"preprocess": getattr(args, "preprocess_pool", None), "train": getattr(args, "train_pool", None)}
     if not any(pools.values()):  # on work pools the data and the model are where the workers are
-        check_inputs(cfg, stages)  # from disk, before anything is written or Prefect starts
+        rows = check_inputs(cfg, stages)  # from disk, before anything is written or Prefect starts
+        if "train" in stages and (note := length_note(cfg, rows)):
+            print(f"splitflow {args.verb}: note: {note}", file=sys.stderr)
     with first_run_cleanup(cfg):
         ref, overrides = _reference(args, extra, cfg)
         name = _run_name(args, cfg)
@@ -120,20 +122,39 @@ def cmd_train(args, extra) -> int:
 def cmd_status(args, extra) -> int:
     from stages.status import read_cache, run_status, work_left
 
+    from stages.precheck import input_problem, input_rows, length_note
+
     cfg = _config(args, extra)
-    view = read_cache(cfg)  # the dataset keyed and the cache read once for both answers
-    _print({**run_status(cfg, view), "left": work_left(cfg, view).as_dict()})
+    problem = input_problem(cfg)  # a missing dataset or model is flagged, not hidden behind "nothing cached"
+    status = {"inputs": problem or "ok"}
+    if problem is None:
+        view = read_cache(cfg)  # the dataset keyed and the cache read once for both answers
+        status.update(run_status(cfg, view), left=work_left(cfg, view).as_dict())
+    else:  # the cache and the steps cannot be counted against inputs that are not there
+        status["train"] = run_status(cfg)["train"] if cfg.output_dir.is_dir() else {"output": str(cfg.output_dir),
+                                                                                        "step": 0}
+    rows = None if problem else input_rows(cfg)
+    if note := length_note(cfg, rows):
+        status["length"] = note
+    _print(status)
     return 0
 
 
 def cmd_resume(args, extra) -> int:
-    from stages.status import run_status
+    from stages.status import run_status, work_left
+
+    from stages.precheck import check_inputs
 
     cfg = _config(args, extra)
+    check_inputs(cfg, ("preprocess", "train"))
     status = run_status(cfg)
-    print(f"resuming: cache {status['cache']['present']}/{status['cache']['expected']} entries, "
-          f"training at step {status['train']['step']}")
-    return _run_stages(args, extra, ("preprocess", "train"))
+    done = f"cache {status['cache']['present']}/{status['cache']['expected']} entries, " \
+           f"training at step {status['train']['step']}"
+    if work_left(cfg).nothing:
+        print(f"nothing to resume: {done}, exported")
+    else:
+        print(f"resuming: {done}")
+    return _run_stages(args, extra, ("preprocess", "train"), cfg)
 
 
 def cmd_deploy(args, extra) -> int:

@@ -26,9 +26,9 @@ NEVER_DOWNLOADS = ("splitflow never downloads models: put the model's files ther
                    "released (DiffSynth-Studio's downloads): docs/diffsynth.md")
 
 
-def check_inputs(cfg: RunConfig, stages: tuple[str, ...]) -> None:
+def check_inputs(cfg: RunConfig, stages: tuple[str, ...]) -> int | None:
     """Raise one ``InputError`` (exit 2) or ``EnvironmentFailure`` (exit 3) for the first input of ``stages``
-    that cannot work: read from disk only, nothing written."""
+    that cannot work: read from disk only, nothing written.  Returns the dataset's rows (None: not read)."""
     from diffsynth_core.models import check_model_folder
 
     from .common import component_files, family_of
@@ -41,14 +41,45 @@ def check_inputs(cfg: RunConfig, stages: tuple[str, ...]) -> None:
         (spec.transformer_component,) if "train" in stages else ())
     for name in dict.fromkeys(components):
         _check_model(cfg, lambda n=name: component_files(cfg, spec, n))
+    rows = None
     if "preprocess" in stages or cfg.dataset.metadata_path or cfg.dataset.sources:
-        _check_metadata(cfg, spec)
+        rows = _check_metadata(cfg, spec)
         _check_dataset_folder(cfg)
     if "preprocess" not in stages:
         _check_cache_exists(cfg)
     _check_writable(cfg.output_dir, "output.path")
     if "preprocess" in stages and "://" not in cfg.cache_url:
         _check_writable(Path(cfg.cache_url), "cache.url")
+    return rows
+
+
+def length_note(cfg: RunConfig, rows: int | None) -> str | None:
+    """Which of ``train.max_steps`` and ``train.num_epochs`` decides the run's length, when max_steps makes
+    another number of epochs than num_epochs says (``rows``: the dataset's, before repeats; buckets of
+    shapes can add a batch or two to an epoch, hence "about")."""
+    train = cfg.train
+    if not train.max_steps or not rows:
+        return None
+    batches = -(-rows * cfg.dataset.repeat // train.batch_size)
+    epochs = train.max_steps * train.gradient_accumulation_steps / batches
+    if abs(epochs - train.num_epochs) < 0.05:
+        return None
+    return (f"train.max_steps = {train.max_steps} decides the run's length: about {epochs:.3g} epochs of "
+            f"{batches} batches; train.num_epochs = {train.num_epochs} is not used while max_steps is set")
+
+
+def input_rows(cfg: RunConfig) -> int | None:
+    """The dataset's rows (before repeats) of a config whose inputs check out; None without a dataset."""
+    return check_inputs(cfg, ("preprocess", "train")) if (cfg.dataset.metadata_path or cfg.dataset.sources) else None
+
+
+def input_problem(cfg: RunConfig, stages: tuple[str, ...] = ("preprocess", "train")) -> str | None:
+    """``check_inputs``'s one line, or None: for verbs that report rather than run (``status``)."""
+    try:
+        check_inputs(cfg, stages)
+    except (InputError, EnvironmentFailure) as err:
+        return str(err)
+    return None
 
 
 def _demo_hint(path: str | Path) -> str:
@@ -84,7 +115,7 @@ def _check_model(cfg: RunConfig, files) -> None:
         raise InputError(f"{err}{_model_hint(cfg)}") from None
 
 
-def _check_metadata(cfg: RunConfig, spec) -> None:
+def _check_metadata(cfg: RunConfig, spec) -> int:
     from .datasets import open_dataset
 
     metadata = cfg.dataset.metadata_path
@@ -92,7 +123,7 @@ def _check_metadata(cfg: RunConfig, spec) -> None:
         raise InputError(f"dataset.metadata_path {metadata} does not exist: point it at your metadata.csv/.json/"
                          f".jsonl (columns image, prompt), a folder of images with same-name .txt captions, or a "
                          f"musubi-tuner dataset .toml (docs/datasets.md){_demo_hint(metadata)}")
-    open_dataset(cfg.dataset, spec)  # parses the metadata: a bad header or row is one line naming it
+    return len(open_dataset(cfg.dataset, spec))  # parses the metadata: a bad header or row is one line naming it
 
 
 def _check_cache_exists(cfg: RunConfig) -> None:

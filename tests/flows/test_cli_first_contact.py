@@ -3,6 +3,7 @@ do, with nothing left behind; help pages that list what can be set; cache verbs 
 
 from __future__ import annotations
 
+import json
 import resource
 import subprocess
 import sys
@@ -130,3 +131,25 @@ def test_help_lists_the_demo_families_and_the_diffsynth_flags(capsys):
         main(["run", "--help"])
     out = capsys.readouterr().out
     assert "DiffSynth-Studio" in out and "--dataset_base_path" in out and "docs/diffsynth.md" in out
+
+
+def test_status_of_an_example_flags_its_missing_model_and_counts_no_steps(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["status", str(REPO / "examples" / "qwen_image_lora.toml")]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["inputs"].startswith("model.path models/Qwen-Image is not a folder; splitflow never downloads")
+    assert "left" not in status and status["train"]["step"] == 0  # no total_steps 0 beside max_steps
+
+
+def test_status_before_preprocessing_says_when_steps_are_counted(assets, tmp_path, capsys):
+    assert main(["status", str(_config(assets, tmp_path))]) == 0
+    left = json.loads(capsys.readouterr().out)["left"]
+    assert left["total_steps"] is None and "once every part is encoded" in left["note"]
+
+
+def test_the_loss_status_shows_is_the_checkpoints_not_a_later_steps():
+    """An interrupted run logged steps past its last checkpoint; resume trains them again."""
+    from stages.status import _loss_at
+
+    rows = [{"step": str(s), "loss": str(1.0 / s)} for s in range(1, 8)]  # metrics.csv rows up to step 7
+    assert _loss_at(rows, 6) == 1.0 / 6 and _loss_at(rows, 0) is None
