@@ -438,7 +438,7 @@ def _format_validation_error(err: ValidationError, source: str, overridden: dict
         message = item["msg"].removeprefix("Value error, ")
         given = next((item for key, item in overridden.items() if dotted == key or dotted.startswith(key + ".")), None)
         if given is not None:
-            problems.append(f"--set {given}: {message}")
+            problems.append(f"{dotted}: {message} (from --set {given})")
             continue
         from_file = True
         problems.append(f"{dotted}: {message}" if dotted else message)  # a rule across sections names its keys

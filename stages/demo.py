@@ -20,7 +20,7 @@ COLOURS = {"red": (220, 40, 40), "green": (40, 180, 70), "blue": (40, 70, 220), 
            "purple": (140, 50, 170), "white": (245, 245, 245), "black": (20, 20, 20), "orange": (240, 140, 30)}
 SHAPES = ("circle", "square", "triangle")
 SIZES = ((96, 96), (128, 96))  # (width, height): two aspect ratios, both multiples of 16
-DEMO_VALIDATION_PROMPT = "a red circle on a blue background"  # rendered every validation_steps into output/validation/
+DEMO_VALIDATION_PROMPT = "a red circle on blue"  # rendered every validation_steps into output/validation/
 
 
 def _draw(shape: str, fg: tuple, bg: tuple, size: tuple[int, int], rng: random.Random) -> Image.Image:
@@ -53,7 +53,8 @@ def write_demo_dataset(folder: Path, count: int = 16, seed: int = 0) -> Path:
         size = SIZES[index % len(SIZES)]
         file_name = f"{index:03d}_{fg}_{shape}.png"
         _draw(shape, COLOURS[fg], COLOURS[bg], size, rng).save(folder / file_name)
-        rows.append({"image": file_name, "prompt": f"a {fg} {shape} on a {bg} background"})
+        # short enough for every tiny tokenizer (the tiny T5s of FLUX and Wan keep 32 tokens: at most 28 here)
+        rows.append({"image": file_name, "prompt": f"a {fg} {shape} on {bg}"})
     tmp = metadata.with_suffix(".tmp")
     with tmp.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=["image", "prompt"])
@@ -81,9 +82,9 @@ def demo_config(workdir: Path, family: str = "qwen_image", overrides: list[str] 
         "preprocess": {"parts": 2, "device": "cpu"},
         # Chosen so that two short epochs show learning: DiffSynth's loss weighting and uniform timesteps make one
         # sample's loss swing 0.003-2.6 from step to step, hiding the trend; timesteps drawn near the middle
-        # (logit-normal, std 0.5) and unweighted losses, with a rate and rank a tiny model can move, fall
+        # (logit-normal, std 0.5) and unweighted losses, with a rate a tiny model can move, fall
         # by about a quarter over two epochs (docs/training.md has the schedules).
-        "train": {"learning_rate": 2e-2, "num_epochs": 2, "max_steps": 32, "save_steps": 8, "lora_rank": 16, "seed": 0,
+        "train": {"learning_rate": 2e-2, "num_epochs": 2, "max_steps": 32, "save_steps": 8, "lora_rank": 4, "seed": 0,
                   "device": "cpu", "timestep_sampling": "logit_normal", "logit_std": 0.5, "loss_weighting": "none",
                   "validation_prompts": [DEMO_VALIDATION_PROMPT], "validation_steps": 16,
                   "validation_inference_steps": 8},

@@ -31,7 +31,7 @@ def check_inputs(cfg: RunConfig, stages: tuple[str, ...]) -> int | None:
     that cannot work: read from disk only, nothing written.  Returns the dataset's rows (None: not read)."""
     from diffsynth_core.models import check_model_folder
 
-    from .common import component_files, family_of
+    from .common import check_lora_targets, component_files, family_of
 
     _check_model_folder(cfg)
     spec = family_of(cfg)
@@ -41,6 +41,8 @@ def check_inputs(cfg: RunConfig, stages: tuple[str, ...]) -> int | None:
         (spec.transformer_component,) if "train" in stages else ())
     for name in dict.fromkeys(components):
         _check_model(cfg, lambda n=name: component_files(cfg, spec, n))
+    if "train" in stages:
+        check_lora_targets(cfg, spec)  # on a weightless build: every bad target in one line
     rows = None
     if "preprocess" in stages or cfg.dataset.metadata_path or cfg.dataset.sources:
         rows = _check_metadata(cfg, spec)
@@ -147,7 +149,7 @@ def _check_writable(path: Path, key: str) -> None:
         raise InputError(f"{key} {path} is a file, not a folder: point {key} at a folder (it is created if missing)")
     existing = _nearest_existing(path)
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise EnvironmentFailure(f"{key} {path}: {existing} is not writable by this user; choose another {key} "
+        raise EnvironmentFailure(f"{key} {path}: {existing} is read-only for this user; choose another {key} "
                                  f"or fix its permissions")
 
 
