@@ -162,10 +162,6 @@ def qwen_worker(a) -> dict:
             phases.step_ended()
     out_dir = a.out_dir or tempfile.mkdtemp()
     trainer = Trainer(spec, model, samples, train, offload, out_dir, device=device, progress=False, callbacks=[clock])
-    if a.old_loop:
-        from bench.step_start import use_old_loop
-
-        use_old_loop(trainer)
     if a.per_tensor_widening:  # the widening as it was: a launch per tensor (widening.py)
         from diffsynth_core.offload.widening import UnitWidening, widen_each
 
@@ -475,7 +471,6 @@ def case_qwen20b(a) -> dict:
             "packed_budget_24gb_act": [*bf16_24, "--storage", "packed_bfloat16", "--act-offload"],
             "fp8_budget_16gb": fp8_16, "fp8_budget_16gb_act": [*fp8_16, "--act-offload"],
             "fp8_budget_16gb_prefetch2": [*fp8_16, "--prefetch", "2"],
-            "fp8_budget_16gb_oldloop": [*fp8_16, "--old-loop"],
             "fp8_budget_16gb_pertensor": [*fp8_16, "--per-tensor-widening"]}
     rows.update({f"{name}_compiled": [*args, "--compile"] for name, args in list(rows.items())
                  if name in ("resident", "budget_24gb", "budget_24gb_act", "fp8_budget_24gb", "fp8_budget_16gb",
@@ -947,8 +942,7 @@ def main() -> None:
     ap.add_argument("--lora-file", default="")
     ap.add_argument("--qwen-rows", default="budget_24gb,fp8_budget_16gb",
                     help="qwen20b rows beside resident; also fp8_budget_16gb_act (block inputs offloaded), "
-                         "fp8_budget_16gb_prefetch2 (three slots), fp8_budget_16gb_oldloop (the training loop "
-                         "before batches were prepared ahead), fp8_budget_16gb_pertensor (fp8 widened with a "
+                         "fp8_budget_16gb_prefetch2 (three slots), fp8_budget_16gb_pertensor (fp8 widened with a "
                          "launch per tensor, as before widening.py), budget_24gb_act (block inputs offloaded), "
                          "fp8_budget_24gb (fp8 storage within 24 GB); NAME_compiled for resident and the "
                          "budget_24gb[_act] / fp8_budget_24gb / fp8_budget_16gb[_act] rows "
@@ -957,7 +951,7 @@ def main() -> None:
                          "rows (train.optimizer_args.fused = true); budget_24gb_compiled_fused_hoststate, "
                          "fp8_budget_16gb_compiled_fused_hoststate (offload.optimizer_state_on_host = true); "
                          "resident_narrow, resident_compiled_narrow (train.lora_narrow_inputs = true)")
-    for flag in ("--offload", "--deterministic", "--keep-lora", "--act-offload", "--old-loop", "--skip-resident",
+    for flag in ("--offload", "--deterministic", "--keep-lora", "--act-offload", "--skip-resident",
                  "--per-tensor-widening", "--compile", "--fused-adamw", "--narrow-lora-input", "--state-on-host",
                  "--keep-device-state"):
         ap.add_argument(flag, action="store_true")

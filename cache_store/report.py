@@ -46,6 +46,12 @@ def _size(n: int) -> str:
     return str(n)
 
 
+def _aux(info: dict[str, Any]) -> str:
+    """Entries that are no dataset row: the empty prompt's embedding, which caption dropout trains with."""
+    n = info["aux_entries"]
+    return f"{n} auxiliary: the empty prompt's embedding, for caption dropout" if n == 1 else f"{n} auxiliary"
+
+
 def format_inspect(info: dict[str, Any]) -> str:
     if "error" in info:
         lines = [info['error']]
@@ -58,7 +64,8 @@ def format_inspect(info: dict[str, Any]) -> str:
         f"backend      {info['backend']}",
         f"fingerprint  {info['fingerprint']}",
         f"entries      {info['entries']} in {info['parts']} parts"
-        + (f" ({info['duplicates']} duplicate copies)" if info["duplicates"] else ""),
+        + (f" ({info['duplicates']} duplicate copies)" if info["duplicates"] else "")
+        + (f", plus {_aux(info)}" if info.get("aux_entries") else ""),
         f"size         {_size(info['bytes'])} in {info['files']} files "
         f"({_size(info['tensor_bytes'])} of entries)",
         f"dataset      {info['dataset_keys'] if info['dataset_keys'] is not None else '-'} keys, "
@@ -73,8 +80,9 @@ def format_inspect(info: dict[str, Any]) -> str:
     lines += [f"  missing: {k}" for k in info.get("missing_examples", [])]
     if info.get("verified"):
         errors = info["errors"]
+        aux = f" ({info['entries']} rows + {info['aux_entries']} auxiliary read)" if info.get("aux_entries") else ""
         lines.append(f"verify       {info['checked']} entries read, {len(errors)} bad, "
-                     f"{info['missing']} missing: " + ("OK" if info["ok"] else "FAILED"))
+                     f"{info['missing']} missing: " + ("OK" if info["ok"] else "FAILED") + aux)
         lines += [f"  {e}" for e in errors[:MAX_LISTED]]
         if len(errors) > MAX_LISTED:
             lines.append(f"  ... and {len(errors) - MAX_LISTED} more")

@@ -53,14 +53,20 @@ def _print(result) -> None:
     print(json.dumps(result, indent=2, default=str))
 
 
-def _run_stages(args, extra, stages: tuple[str, ...]) -> int:
+def _run_stages(args, extra, stages: tuple[str, ...], cfg: RunConfig | None = None) -> int:
     from flows.orchestrate import orchestrate
+    from stages.precheck import check_inputs, first_run_cleanup, length_note
 
-    cfg = _config(args, extra)
-    ref, overrides = _reference(args, extra, cfg)
-    name = _run_name(args, cfg)
+    cfg = cfg or _config(args, extra)
     pools = {"preprocess": getattr(args, "preprocess_pool", None), "train": getattr(args, "train_pool", None)}
-    _print(orchestrate(cfg, ref, overrides, name, stages, pools, args.debug))
+    if not any(pools.values()):  # on work pools the data and the model are where the workers are
+        rows = check_inputs(cfg, stages)  # from disk, before anything is written or Prefect starts
+        if "train" in stages and (note := length_note(cfg, rows)):
+            print(f"splitflow {args.verb}: note: {note}", file=sys.stderr)
+    with first_run_cleanup(cfg):
+        ref, overrides = _reference(args, extra, cfg)
+        name = _run_name(args, cfg)
+        _print(orchestrate(cfg, ref, overrides, name, stages, pools, args.debug))
     return 0
 
 
@@ -70,11 +76,17 @@ def cmd_demo(args, extra) -> int:
 
     workdir = Path(args.workdir)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    _, config_path = prepare_demo(workdir, args.family, diffsynth.flag_overrides(extra) + list(args.set))
+    cfg, config_path = prepare_demo(workdir, args.family, diffsynth.flag_overrides(extra) + list(args.set))
     print(f"demo: dataset, tiny {args.family} model and {config_path} ready in {workdir}")
     args.config, args.set, args.name = str(config_path), [], args.name or workdir.resolve().name
     _run_stages(args, [], ("preprocess", "train"))
-    print(f"outputs in {workdir / 'output'}; rerun any verb with: splitflow <verb> {config_path}")
+    from stages.demo import loss_trend
+    from stages.status import metric_rows
+
+    output = workdir / "output"
+    print(f"{loss_trend(metric_rows(cfg))}; validation images (one every {cfg.train.validation_steps} steps) in "
+          f"{output / 'validation'}")
+    print(f"outputs in {output}; rerun any verb with: splitflow <verb> {config_path}")
     return 0
 
 
@@ -85,8 +97,10 @@ def cmd_run(args, extra) -> int:
 def cmd_preprocess(args, extra) -> int:
     if args.part is not None:  # one part, no orchestration: what a worker machine runs
         from stages import preprocess
+        from stages.precheck import check_inputs
 
         cfg = _config(args, extra)
+        check_inputs(cfg, ("preprocess",))
         print(preprocess.run(cfg, args.part).describe())
         return 0
     return _run_stages(args, extra, ("preprocess",))
@@ -96,8 +110,10 @@ def cmd_train(args, extra) -> int:
     # No orchestration: what each rank of `torchrun ... -m flows.cli train CONFIG --in-process` runs.
     if args.in_process:
         from stages import train
+        from stages.precheck import check_inputs
 
         cfg = _config(args, extra)
+        check_inputs(cfg, ("train",))
         print(train.run(cfg).describe())
         return 0
     return _run_stages(args, extra, ("train",))
@@ -106,20 +122,39 @@ def cmd_train(args, extra) -> int:
 def cmd_status(args, extra) -> int:
     from stages.status import read_cache, run_status, work_left
 
+    from stages.precheck import input_problem, input_rows, length_note
+
     cfg = _config(args, extra)
-    view = read_cache(cfg)  # the dataset keyed and the cache read once for both answers
-    _print({**run_status(cfg, view), "left": work_left(cfg, view).as_dict()})
+    problem = input_problem(cfg)  # a missing dataset or model is flagged, not hidden behind "nothing cached"
+    status = {"inputs": problem or "ok"}
+    if problem is None:
+        view = read_cache(cfg)  # the dataset keyed and the cache read once for both answers
+        status.update(run_status(cfg, view), left=work_left(cfg, view).as_dict())
+    else:  # the cache and the steps cannot be counted against inputs that are not there
+        status["train"] = run_status(cfg)["train"] if cfg.output_dir.is_dir() else {"output": str(cfg.output_dir),
+                                                                                        "step": 0}
+    rows = None if problem else input_rows(cfg)
+    if note := length_note(cfg, rows):
+        status["length"] = note
+    _print(status)
     return 0
 
 
 def cmd_resume(args, extra) -> int:
-    from stages.status import run_status
+    from stages.status import run_status, work_left
+
+    from stages.precheck import check_inputs
 
     cfg = _config(args, extra)
+    check_inputs(cfg, ("preprocess", "train"))
     status = run_status(cfg)
-    print(f"resuming: cache {status['cache']['present']}/{status['cache']['expected']} entries, "
-          f"training at step {status['train']['step']}")
-    return _run_stages(args, extra, ("preprocess", "train"))
+    done = f"cache {status['cache']['present']}/{status['cache']['expected']} entries, " \
+           f"training at step {status['train']['step']}"
+    if work_left(cfg).nothing:
+        print(f"nothing to resume: {done}, exported")
+    else:
+        print(f"resuming: {done}")
+    return _run_stages(args, extra, ("preprocess", "train"), cfg)
 
 
 def cmd_deploy(args, extra) -> int:
@@ -148,8 +183,15 @@ def cmd_cache(args, extra) -> int:
 
     if args.action == "import":
         return _cache_import(args)
+    if Path(args.path).is_file() and Path(args.path).suffix in (".toml", ".yaml", ".yml", ".json"):
+        cfg = _config(argparse.Namespace(config=args.path, set=[], verb="cache"), [])
+        raise InputError(f"{args.path} is a run config, not a cache: splitflow cache {args.action} takes the "
+                         f"cache itself, here its cache.url: splitflow cache {args.action} {cfg.cache_url}")
     report = inspect_cache(args.path, verify=args.action == "verify")
     print(format_inspect(report))
+    # No cache at PATH is the same mistake for both (exit 2); a cache inspect can read is fine to inspect.
+    if "error" in report:
+        return EXIT_INPUT
     return 0 if args.action == "inspect" or report.get("ok", False) else EXIT_INPUT  # a bad cache is input
 
 
@@ -177,16 +219,25 @@ VERBS = {
 }
 
 
+DIFFSYNTH_FLAGS = ("Every verb that takes CONFIG also takes DiffSynth-Studio's flags (--dataset_base_path, "
+                   "--dataset_metadata_path, --model_id_with_origin_paths, --lora_rank, --learning_rate, "
+                   "--enable_model_cpu_offload, ...), with or without a CONFIG: the table is in docs/diffsynth.md.")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from diffsynth_core.models import known_families
+
     parser = argparse.ArgumentParser(
         prog="splitflow",
         description="Fine-tune diffusion transformers on small GPUs: preprocess (encoders -> cache), "
                     "then train (DiT or LoRA from the cache, weights offloaded). Try: splitflow demo",
+        epilog=DIFFSYNTH_FLAGS,
     )
     parser.add_argument("--debug", action="store_true", help="show the traceback of a failure")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     for name, (_, help_text) in VERBS.items():
-        sub = verbs.add_parser(name, help=help_text, description=help_text)
+        sub = verbs.add_parser(name, help=help_text, description=help_text,
+                               epilog=DIFFSYNTH_FLAGS if name not in ("cache", "demo") else None)
         sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                          help="show the traceback of a failure")
         if name == "cache":
@@ -199,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         if name == "demo":
             sub.add_argument("--workdir", default=DEFAULT_DEMO_DIR, help="where the demo writes everything")
-            sub.add_argument("--family", default="qwen_image", help="model family of the tiny model")
+            sub.add_argument("--family", default="qwen_image", choices=known_families(),
+                             help="model family of the tiny model: %(choices)s (default: %(default)s)")
         else:
             sub.add_argument("config", nargs="?", help="run config (TOML or YAML; see examples/); optional "
                                                        "when DiffSynth-Studio flags give the model and data")

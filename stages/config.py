@@ -463,14 +463,21 @@ def apply_override(data: dict[str, Any], dotted: str, value: Any) -> None:
         raise ConfigError(f"--set {dotted}: {section}.{key} is not a table; use --set {section}.{key}=VALUE")
 
 
-def _format_validation_error(err: ValidationError, source: str) -> str:
-    """Every problem on one line, each naming its dotted key (the CLI shows one line per failure)."""
-    problems = []
+def _format_validation_error(err: ValidationError, source: str, overridden: dict[str, str] | None = None) -> str:
+    """Every problem on one line, each naming its dotted key (the CLI shows one line per failure); a value
+    that came from ``--set`` is blamed on that ``--set``, not on the config file."""
+    overridden = overridden or {}
+    problems, from_file = [], False
     for item in err.errors():
         dotted = ".".join(str(part) for part in item["loc"])
         message = item["msg"].removeprefix("Value error, ")
+        given = next((item for key, item in overridden.items() if dotted == key or dotted.startswith(key + ".")), None)
+        if given is not None:
+            problems.append(f"{dotted}: {message} (from --set {given})")
+            continue
+        from_file = True
         problems.append(f"{dotted}: {message}" if dotted else message)  # a rule across sections names its keys
-    return f"invalid config ({source}): " + "; ".join(problems)
+    return (f"invalid config ({source}): " if from_file else "") + "; ".join(problems)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -534,18 +541,20 @@ def _plain(value: Any, dotted: str = "") -> Any:
 def build_config(data: dict[str, Any], overrides: list[str] = (), source: str = "<config>") -> RunConfig:
     """Validate ``data`` after applying ``section.key=value`` overrides; collects every error."""
     data = _plain(data)  # deep copy, plain types only
+    overridden = {}  # dotted key -> the --set that gave it (errors blame the --set)
     for item in overrides:
         dotted, sep, raw = item.partition("=")
         if not sep:
             raise ConfigError(f"--set {item!r}: expected section.key=value")
         apply_override(data, dotted.strip(), _parse_value(raw.strip()))
+        overridden[dotted.strip()] = item
     from .compat.musubi import expand_dataset_config  # a musubi dataset TOML -> dataset.sources
 
     data = expand_dataset_config(data)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err, source)) from None
+        raise ConfigError(_format_validation_error(err, source, overridden)) from None
 
 
 def load_config(path: Path | str, overrides: list[str] = ()) -> RunConfig:

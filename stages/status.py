@@ -80,14 +80,20 @@ def last_metrics(cfg: RunConfig) -> dict | None:
     return rows[-1] if rows else None
 
 
+def _loss_at(rows: list[dict], step: int) -> float | None:
+    """The loss logged at ``step``: steps logged after the last checkpoint (an interrupted run's) are
+    trained again on resume, so the checkpoint's own step is the one that counts."""
+    kept = [row for row in rows if int(row["step"]) <= step]
+    return float(kept[-1]["loss"]) if kept else None
+
+
 def _train_status(cfg: RunConfig) -> dict:
     checkpoints = CheckpointManager(cfg.output_dir / "checkpoints")
-    latest = checkpoints.latest_dir()
+    latest, step = checkpoints.latest_dir(), checkpoints.latest_step()
     exports = sorted(str(p) for p in Path(cfg.output_dir).glob("*.safetensors"))
-    last = last_metrics(cfg)
-    return {"output": str(cfg.output_dir), "step": checkpoints.latest_step(), "max_steps": cfg.train.max_steps,
+    return {"output": str(cfg.output_dir), "step": step, "max_steps": cfg.train.max_steps,
             "latest_checkpoint": str(latest) if latest else None, "exports": exports,
-            "last_loss": float(last["loss"]) if last else None}
+            "last_loss": _loss_at(metric_rows(cfg), step)}
 
 
 def run_status(cfg: RunConfig, view: CacheView | None = None) -> dict:
@@ -134,7 +140,10 @@ class WorkLeft:
         return not self.preprocess and not self.train
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "nothing": self.nothing}
+        out = {**asdict(self), "nothing": self.nothing}
+        if self.parts:  # steps follow from the encoded rows (batches of a shape): not known yet
+            out.update(total_steps=None, note="total_steps is counted once every part is encoded")
+        return out
 
 
 def _rows_left(cfg: RunConfig, view: CacheView) -> tuple[list[int], list[str]]:

@@ -245,7 +245,10 @@ class SampleDataset(Dataset):
                 frames[0].height, frames[0].width, height=self.height, width=self.width,
                 max_pixels=self.max_pixels, division=self.division)
         except (MediaError, TooSmallError) as e:
-            raise self._error(index, f"column {key!r}: {e}", file=path) from e
+            # what to do, for a run that stops on it (a skipping run records the reason alone)
+            fix = "" if self.skip_bad_samples else ("; replace or remove the file, or set "
+                                                    "dataset.skip_bad_samples = true to skip rows like it")
+            raise self._error(index, f"column {key!r}: {e}{fix}", file=path) from e
         return _to_pixels([crop_and_resize(f, height, width) for f in frames])
 
 

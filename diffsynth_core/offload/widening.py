@@ -3,7 +3,7 @@
 Per tensor, a widening is a handful of Python calls and one kernel launch: a real-width Qwen-Image
 block holds 32 tensors, so the 120 loads of a 60-block step cost ~3,700 launches, host time the
 training step can ill afford: on the H200 the GPU runs only ~1 ms behind the host's launches in a
-Qwen-Image step (``gpu_lag_ms`` in ``bench/results/offload_qwen_lag_h200.json``), so host time is
+Qwen-Image step (``gpu_lag_ms`` in ``bench/results/offload_qwen_lag_h200.json`` at 8b1d56c), so host time is
 step time.  So a unit is widened in two moves:
 
 * the tensors stored as computed (biases, norm scales) lead both layouts at the same offsets
@@ -17,7 +17,7 @@ Whatever the kernel does not cover (no Triton, a CPU target, another cast) is wi
 tensor, as ``quant.dequantize_rows`` defines it; every path gives the same bits.
 
 Even those few launches cost the host ~0.15-0.3 ms a load in Python (views, Triton's launcher), and
-an eager offloaded step is host-bound (``bench.hook_cost``).  So a streamer's widening of a unit
+an eager offloaded step is host-bound (``bench/hook_cost.py`` at 8b1d56c).  So a streamer's widening of a unit
 (``graphs``; packed and fp8 alike) is recorded as a CUDA graph per (source,
 destination) buffer pair, a staging buffer or device copy into a slot, which are the same few
 buffers all run long, and replayed from then on: one call.
@@ -38,7 +38,7 @@ from .quant import dequantize_rows
 from .units import TensorRecord, Unit
 
 SEGMENTS = 64  # tensors per batched launch (the kernel's table grows with it)
-GRAPHS = True  # False: streamers' widenings are never recorded as CUDA graphs (``bench.hook_cost`` compares)
+GRAPHS = True  # False: streamers' widenings are never recorded as CUDA graphs (bench/hook_cost.py at 8b1d56c compared)
 _SEEN = object()  # a (source, destination) pair widened once, eagerly, by kernels alone
 _graphs_failed: list[str] = []  # why recording failed once: from then on nothing is recorded
 

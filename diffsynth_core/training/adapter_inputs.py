@@ -28,7 +28,7 @@ from torch.nn import functional as F
 GRAD_SLICE_BYTES = 64 << 20
 # Slices are whole multiples of this many rows, and only inputs with such a row count are sliced:
 # cuBLAS picks its kernel by shape, and on the H200 slices of 256-multiples gave the whole
-# product's bits at all 160 sliced shapes of bench/adapter_slices.py (and the GPU tests in
+# product's bits at all 160 sliced shapes of bench/adapter_slices.py at 8b1d56c (and the GPU tests in
 # tests/core/training/test_adapter_inputs.py), where 1365 rows of a 12288-wide input did not.
 SLICE_ROWS = 256
 

@@ -2,8 +2,8 @@
 
 Why: on the H200 a real-width Qwen-Image step is host-bound.  The GPU runs ~1 ms behind the
 host's kernel launches, resident or offloaded (``gpu_lag_ms`` in
-``bench/results/offload_qwen_lag_h200.json``), and py-spy puts most of the host's time in the
-model's own module code (``bench/results/offload_fp8_pyspy_summary_h200.json``).  A compiled
+``bench/results/offload_qwen_lag_h200.json`` at 8b1d56c), and py-spy puts most of the host's time in the
+model's own module code (``bench/results/offload_fp8_pyspy_summary_h200.json`` at 8b1d56c).  A compiled
 block runs as one graph: fewer Python calls and, with fused elementwise kernels, fewer launches.
 
 Only the blocks' ``forward`` is compiled, not the module call, so the hooks around a block (the
@@ -13,7 +13,7 @@ about one block's worth, once per process (one more graph for the first block, w
 no gradient).  Compiled kernels round differently from eager ones, so a compiled run matches an
 eager one closely, not bitwise; a compiled run is repeatable on the CPU (tests).  On the H200 it
 takes the all-resident real-width Qwen-Image step from 0.94-1.05 s to 0.69-0.71 s
-(``bench/results/offload_compiled_*_h200.json``; docs/training.md).
+(``bench/results/offload_compiled_*_h200.json`` at 8b1d56c; docs/training.md).
 
 A block that cannot be compiled on this machine (no C++ compiler for a CPU target, no Triton for
 a GPU) stops the run at its first step with an :class:`~diffsynth_core.errors.InputError` that

@@ -244,7 +244,7 @@ class Trainer:
     def _input_dtype(self, model: nn.Module) -> torch.dtype:
         """The dtype ``model`` takes its inputs in, read once per model: diffusers' ``ModelMixin.dtype``
         walks every submodule (9,500 with LoRA on Qwen-Image's 60 blocks: 14 ms of idle GPU at each
-        step's start on the H200, ``bench/step_start.py``)."""
+        step's start on the H200, ``bench/step_start.py`` at 8b1d56c)."""
         if self._dtype_of is None or self._dtype_of[0] is not model:
             self._dtype_of = (model, getattr(model, "dtype", torch.float32))
         return self._dtype_of[1]

@@ -4,7 +4,7 @@ After ``loss.backward()`` has queued the round's work, the host would only wait 
 (reading the loss).  The trainer uses that wait to read the next round's samples from the cache,
 draw their noise and timesteps, stack them and, on CUDA, pin them, so the next forward starts with
 asynchronous copies instead of reads, draws and pageable copies while the GPU idles.  On the H200
-(60-block Qwen-Image at 1024², zarr cache; ``bench/step_start.py``, ``bench/results/step_start_h200.json``)
+(60-block Qwen-Image at 1024², zarr cache; bench/step_start.py, its results at 8b1d56c)
 the host waited ≈ 32 ms for each round's loss, and preparing ahead cut the idle GPU at each step's
 start from 25.9 to 16.0 ms; the rest was ``ModelMixin.dtype``, which the trainer now reads once.
 

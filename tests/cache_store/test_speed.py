@@ -10,7 +10,6 @@ import random
 import pytest
 import torch
 
-from bench.cache import nbytes as tensor_bytes
 from cache_store import open_cache
 
 
@@ -21,6 +20,10 @@ def qwen_1024_entry(i: int) -> dict:
             "prompt_embeds": torch.randn(n_tokens, 3584, generator=g).to(torch.bfloat16),
             "prompt_embeds_mask": torch.ones(n_tokens, dtype=torch.int64),
             "meta": {"row": i, "height": 1024, "width": 1024}}
+
+
+def tensor_bytes(entry: dict) -> int:
+    return sum(t.numel() * t.element_size() for k, t in entry.items() if k != "meta")
 
 
 def bytes_read_so_far() -> int:

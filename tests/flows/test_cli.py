@@ -48,9 +48,10 @@ def test_pools_refuse_storage_options_overrides_and_need_a_shared_server(tmp_pat
     for extra, expected in ((["--set", 'cache.storage_options={key="x"}'], "cache.storage_options"),
                             ([], "PREFECT_API_URL")):
         run = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(path), *pools, *extra], env=env,
-                             capture_output=True, text=True, timeout=120)
+                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
         assert run.returncode == 2 and expected in run.stderr and "Traceback" not in run.stderr, run.stderr
         assert len(run.stderr.strip().splitlines()) == 1
+        assert not (tmp_path / "splitflow-out").exists()  # the failed first run took its Prefect home away
 
 
 def test_the_api_url_of_the_active_prefect_profile_is_used(tmp_path, monkeypatch):
