@@ -249,7 +249,7 @@ def _from_names(path: Path) -> str | None:
             return RELEASE_NAMES[part.lower()]
     name = path.name.lower().replace("-", "_")
     if "edit" not in name:
-        return TEXT_TO_IMAGE if "qwen" in name else None
+        return TEXT_TO_IMAGE  # what these files always were before the edit variants came
     for version in ("2511", "2509"):
         if version in name:
             return f"edit-{version}"
