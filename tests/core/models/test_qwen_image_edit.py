@@ -142,3 +142,35 @@ def test_diffsynth_layout_brings_the_edit_processor(folders, tmp_path):
     add_tokenizers("qwen_image", sources, {"model_base_path": str(base)})
     assert sources["processor"] == [str((base / "Qwen/Qwen-Image-Edit/processor").resolve())]  # DiffSynth's default
     assert family_of(_config(sources=sources)).variant == "edit-2509"
+
+
+def test_validation_renders_an_edit_of_a_dataset_reference(folders, tmp_path):
+    from PIL import Image
+
+    from stages.validation import ValidationRenderer, first_references
+
+    from .family_cases import small_references
+
+    spec = get_family("qwen_image", "edit-2509")
+    cfg = RunConfig.model_validate({
+        "model": {"family": "qwen_image", "path": str(folders["edit-2509"]), "dtype": "float32"},
+        "train": {"validation_prompts": ["make it blue"], "validation_steps": 1, "validation_inference_steps": 1},
+        "output": {"path": str(tmp_path / "out")}})
+    transformer = spec.load_components(folders["edit-2509"], ("transformer",), torch.float32, "cpu")["transformer"]
+
+    class Row:  # a dataset row as the dataset gives it: references (3, 1, H, W) in [-1, 1]
+        references = [torch.linspace(-1, 1, 3 * 32 * 48).reshape(3, 1, 32, 48)]
+
+    references = first_references([None, Row()])
+    assert [r.size for r in references] == [(48, 32)]
+    renderer = ValidationRenderer(cfg, spec, (32, 32), references=references)
+    seen = {}
+
+    def first_call(module, args, kwargs, out):
+        seen.setdefault("shapes", kwargs["img_shapes"])  # returns None: the output is left alone
+
+    transformer.register_forward_hook(first_call, with_kwargs=True)
+    with small_references():
+        [path] = renderer(1, transformer)
+    assert Image.open(path).size == (32, 32)
+    assert len(seen["shapes"][0]) == 2  # the target and the reference went through the DiT
