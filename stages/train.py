@@ -100,8 +100,13 @@ def load_transformer(cfg: RunConfig, spec: FamilySpec) -> torch.nn.Module:
     dtype = model_dtype(cfg)
     if cfg.model.transformer_file:
         config_dir = Path(cfg.model.path) / spec.transformer_component
-        return spec.load_transformer_file(Path(cfg.model.transformer_file), config_dir, dtype)
-    return load_components(cfg, spec, (spec.transformer_component,))[spec.transformer_component]
+        transformer = spec.load_transformer_file(Path(cfg.model.transformer_file), config_dir, dtype)
+    else:
+        transformer = load_components(cfg, spec, (spec.transformer_component,))[spec.transformer_component]
+    for key, apply in spec.transformer_options.items():  # e.g. model.zero_cond_t over the files' own
+        if getattr(cfg.model, key, None) is not None:
+            transformer = apply(transformer, getattr(cfg.model, key))
+    return transformer
 
 
 def _full_name(spec: FamilySpec) -> str:

@@ -345,4 +345,6 @@ SPEC = FamilySpec(
     released_formats=qwen_image_released.FORMATS,  # DiffSynth's Qwen-Image module names are diffusers'
     variants=qwen_image_edit.VARIANTS,
     variant_of=qwen_image_edit.variant_of,
+    # model.zero_cond_t (DiffSynth's --zero_cond_t): Edit-2511's reference modulation, over the files' config
+    transformer_options={"zero_cond_t": qwen_image_edit.set_zero_cond_t},
 )

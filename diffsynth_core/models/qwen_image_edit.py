@@ -175,6 +175,7 @@ def load_encoders(path: Path, dtype: torch.dtype) -> Components:
 def set_zero_cond_t(transformer: torch.nn.Module, on: bool) -> torch.nn.Module:
     """Turn Edit-2511's reference modulation on or off: a flag of the model and each block, no weights
     (QwenImageTransformer2DModel reads ``self.zero_cond_t`` in its forward)."""
+    on = bool(on)
     transformer.zero_cond_t = on
     for block in transformer.transformer_blocks:
         block.zero_cond_t = on

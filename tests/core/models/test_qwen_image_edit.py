@@ -174,3 +174,16 @@ def test_validation_renders_an_edit_of_a_dataset_reference(folders, tmp_path):
         [path] = renderer(1, transformer)
     assert Image.open(path).size == (32, 32)
     assert len(seen["shapes"][0]) == 2  # the target and the reference went through the DiT
+
+
+def test_model_zero_cond_t_overrides_the_files_at_load(folders):
+    from stages.train import load_transformer
+
+    cfg = _config(path=str(folders["edit-2509"]), dtype="float32")
+    assert not load_transformer(cfg, family_of(cfg)).zero_cond_t
+    if "zero_cond_t" in type(cfg.model).model_fields:  # model.zero_cond_t (None: the files' own)
+        cfg = _config(path=str(folders["edit-2509"]), dtype="float32", zero_cond_t=True)
+    else:  # before stages.config declares the key
+        object.__setattr__(cfg.model, "zero_cond_t", True)
+    transformer = load_transformer(cfg, family_of(cfg))
+    assert transformer.zero_cond_t and all(b.zero_cond_t for b in transformer.transformer_blocks)
