@@ -88,7 +88,7 @@ class DatasetSource(_Section):
     num_frames: int | None = Field(None, ge=1)
     # Reference images (docs/datasets.md, "Reference images"): a folder of same-stem control images
     # (musubi-tuner's control_directory), and this source's own reference sizing (None: [dataset]'s).
-    control_directory: str = ""
+    control_directory: str | None = None
     reference_size: Literal["family", "target", "own"] | None = None
     reference_pixels: int | None = Field(None, gt=0)
 

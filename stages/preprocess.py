@@ -49,12 +49,12 @@ class CacheSummary:
     def describe(self) -> str:
         scope = "all parts" if self.part is None else f"part {self.part + 1}/{self.parts}"
         text = f"preprocess ({scope}): {self.encoded} encoded, {self.reused} already cached"
-        if self.latents_reused:
-            text += f" (target latents: {self.latents_encoded} encoded, {self.latents_reused} reused)"
         if self.skipped:
             text += f", {len(self.skipped)} bad rows skipped"
         if self.truncated:
             text += f", {self.truncated} prompts truncated"
+        if self.latents_reused:  # shared with another config over the same images (or a repeated target)
+            text += f"; target latents: {self.latents_encoded} encoded, {self.latents_reused} reused"
         return text + f" in {self.seconds:.1f}s -> {self.url}"
 
 
