@@ -38,7 +38,7 @@ from .exports import LoraExporter, export_lora
 from .identity import METADATA_KEY, NUMERICS_KEY, base_model, check_resume_base, numerics, warn_changed_numerics
 from .keys import empty_prompt_key, training_set
 from .locks import output_lock
-from .validation import ValidationRenderer
+from .validation import ValidationRenderer, validation_references
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,8 @@ def _train(cfg: RunConfig) -> TrainSummary:
     callbacks = [LoraExporter(spec, output, cfg.output.export_every)]
     if cfg.train.validation_prompts and keys:  # render at the size of the first training sample
         meta = samples[0]["meta"]
-        callbacks.append(ValidationRenderer(cfg, spec, (meta["height"], meta["width"]), meta.get("num_frames", 1)))
+        callbacks.append(ValidationRenderer(cfg, spec, (meta["height"], meta["width"]), meta.get("num_frames", 1),
+                                            references=validation_references(cfg, spec)))
     trainer = Trainer(spec, transformer, samples, cfg.train, cfg.offload, output,
                       device=device, repeat=cfg.dataset.repeat, callbacks=callbacks,
                       checkpoint_metadata={METADATA_KEY: base, NUMERICS_KEY: numerics(cfg)} if base else None,
