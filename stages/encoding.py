@@ -75,13 +75,12 @@ class Encoders:
         ``images``: each prompt's reference images for a text encoder that sees them
         (``ReferenceRule.text_area``); None keeps the text-only call of families without references."""
         spec, device = self.spec, str(self.device)
-        with_images = {} if images is None else {"images": images}
         if spec.encode_prompts is None:
             return [spec.encode_prompt(self.components, p, device, **options,
                                        **({} if images is None else {"images": images[i]}))
                     for i, p in enumerate(prompts)]
-        lengths = (spec.prompt_lengths(self.components, prompts, **options, **with_images) if spec.prompt_lengths
-                   else [0] * len(prompts))
+        # Text tokens only: a VL prompt's image tokens come on top (prompt_lengths takes no images).
+        lengths = spec.prompt_lengths(self.components, prompts, **options) if spec.prompt_lengths else [0] * len(prompts)
         out = []
         for start, stop in self.placement.prompt_chunks(spec, lengths):
             chunk = {} if images is None else {"images": images[start:stop]}
