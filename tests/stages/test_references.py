@@ -146,3 +146,49 @@ def test_a_dataset_with_references_is_refused_by_a_family_that_takes_none(edit_s
     cfg = build("refused", "edit.csv", model_path=t2i_model)
     with pytest.raises(DatasetError, match="'edit_image' names reference images, but this model family takes none"):
         open_dataset(cfg.dataset, get_family("qwen_image"))
+
+
+def test_a_musubi_toml_with_control_directory_gives_same_stem_controls_in_order(edit_setup, tmp_path):
+    from stages.config import build_config
+
+    root, _, _ = edit_setup
+    images, controls = tmp_path / "images", tmp_path / "controls"
+    images.mkdir(), controls.mkdir()
+    source = sorted((root / "dataset").glob("*.png"))
+    for name, file in (("cat", source[0]), ("cat_2", source[1])):
+        shutil.copy(file, images / f"{name}.png")
+        (images / f"{name}.txt").write_text(f"edit {name}")
+    shutil.copy(source[2], controls / "cat_1.png")
+    shutil.copy(source[3], controls / "cat_0.png")
+    shutil.copy(source[1], controls / "cat_2.png")  # cat_2's own control: the longer name takes it first
+    toml = tmp_path / "dataset.toml"
+    toml.write_text(f'[general]\nresolution = [128, 96]\nenable_bucket = true\n[[datasets]]\n'
+                    f'image_directory = "{images}"\ncontrol_directory = "{controls}"\n'
+                    f'control_resolution = [64, 64]\n')
+    cfg = build_config({"dataset": {"metadata_path": str(toml)},
+                        "model": {"family": "qwen_image", "variant": "edit-2509"}})
+    [source_cfg] = cfg.dataset.sources
+    assert (source_cfg.control_directory, source_cfg.reference_size, source_cfg.reference_pixels) == \
+        (str(controls), "family", 64 * 64)
+    dataset = open_dataset(cfg.dataset, get_family("qwen_image", "edit-2509"))
+    by_prompt = {dataset.load(i).prompt: dataset.load(i) for i in range(len(dataset.records))}
+    assert [p.name for p in by_prompt["edit cat"].files] == ["cat.png", "cat_0.png", "cat_1.png"]
+    assert [p.name for p in by_prompt["edit cat_2"].files] == ["cat_2.png", "cat_2.png"]
+    assert all(r.shape[-2] * r.shape[-1] <= 64 * 64 * 1.3 for r in by_prompt["edit cat"].references)
+
+
+def test_diffsynth_edit_flags_map_to_the_reference_path():
+    from stages.compat.diffsynth import run_config_from_cli
+    from stages.config import ConfigError
+
+    flags = ["--dataset_base_path", "data", "--dataset_metadata_path", "data/metadata.json",
+             "--data_file_keys", "image,edit_image", "--extra_inputs", "edit_image", "--zero_cond_t",
+             "--model_paths", "[]"]
+    with pytest.raises(ConfigError, match="--extra_inputs control_video: splitflow caches reference images only"):
+        run_config_from_cli(None, [], flags[:6] + ["--extra_inputs", "edit_image,control_video"], "run")
+    from stages.compat.diffsynth import FLAGS, _check_extra_inputs, _check_refused, parse_flags
+
+    parsed = parse_flags(flags[:-2])
+    _check_refused(parsed)  # --extra_inputs edit_image and --zero_cond_t are no longer refused
+    _check_extra_inputs(parsed)
+    assert FLAGS["zero_cond_t"].key == "model.zero_cond_t"
