@@ -145,7 +145,7 @@ def _rows_left(cfg: RunConfig, view: CacheView) -> tuple[list[int], list[str]]:
     if plan is None:  # an imported cache: nothing to encode, train on what it records
         return [], store.dataset_keys() or store.keys()
     parts = {part_of(plan.dataset, row, cfg.preprocess.parts) for row in view.found.missing}
-    if not store.has(empty_prompt_key(cfg, plan.fingerprint)):
+    if not store.has(empty_prompt_key(cfg, plan.text_fingerprint)):
         parts.add(0)  # part 0 encodes the empty prompt (caption dropout) once per cache
     return sorted(parts), view.found.train
 
@@ -164,7 +164,8 @@ def work_left(cfg: RunConfig, view: CacheView | None = None) -> WorkLeft:
     parts, keys = _rows_left(cfg, view)
     if parts:
         return WorkLeft(parts=parts, train_steps=1)
-    total = planned_steps(cfg.train, 0 if cfg.train.max_steps else _rounds_per_epoch(cfg, view.store, keys))
+    latents = view.found.latents if view.found is not None else None
+    total = planned_steps(cfg.train, 0 if cfg.train.max_steps else _rounds_per_epoch(cfg, view.store, keys, latents))
     checkpoints = CheckpointManager(cfg.output_dir / "checkpoints")
     step, latest = checkpoints.latest_step(), checkpoints.latest_dir()
     exported = latest is not None and all(
@@ -172,9 +173,9 @@ def work_left(cfg: RunConfig, view: CacheView | None = None) -> WorkLeft:
     return WorkLeft(parts=[], train_steps=max(0, total - step), total_steps=total, export=not exported)
 
 
-def _rounds_per_epoch(cfg: RunConfig, store, keys: list[str]) -> int:
+def _rounds_per_epoch(cfg: RunConfig, store, keys: list[str], latents: dict[str, str] | None = None) -> int:
     """Batches per epoch as the loop makes them (one process): shapes come from the cache's manifest."""
-    sampler = BucketSampler(latent_shapes(CachedSamples(store, keys)), cfg.train.batch_size, cfg.train.drop_last,
+    sampler = BucketSampler(latent_shapes(CachedSamples(store, keys, latents)), cfg.train.batch_size, cfg.train.drop_last,
                             cfg.dataset.repeat, cfg.train.seed)
     return sampler.rounds_per_epoch
 

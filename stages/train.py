@@ -36,7 +36,7 @@ from .common import (family_of, init_distributed, is_main_process, leaving_proce
 from .config import RunConfig
 from .exports import LoraExporter, export_lora
 from .identity import METADATA_KEY, NUMERICS_KEY, base_model, check_resume_base, numerics, warn_changed_numerics
-from .keys import empty_prompt_key, training_keys
+from .keys import empty_prompt_key, training_set
 from .locks import output_lock
 from .validation import ValidationRenderer, validation_references
 
@@ -66,29 +66,45 @@ class TrainSummary:
 
 
 class CachedSamples:
-    """The training set: cache entries in the order of the dataset keys, read on demand."""
+    """The training set: cache entries in the order of the dataset keys, read on demand.
 
-    def __init__(self, store, keys: list[str]):
-        self.store, self.keys = store, keys
+    ``latents``: each key's target-latents entry (``stages.keys.Plan``), read beside it; None where
+    entries hold their own latents (an imported cache)."""
+
+    def __init__(self, store, keys: list[str], latents: dict[str, str] | None = None):
+        self.store, self.keys, self.latents = store, keys, latents or {}
 
     def __len__(self) -> int:
         return len(self.keys)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        return self.store.get(self.keys[index])
+        key = self.keys[index]
+        entry = self.store.get(key)
+        if key not in self.latents:
+            return entry
+        target = self.store.get(self.latents[key])
+        return {**target, **entry, "meta": {**target.get("meta", {}), **entry.get("meta", {})}}
 
-    def latent_shape(self, index: int) -> tuple[int, ...]:
-        """The entry's latent shape (its batch bucket), from the cache manifest: no tensor is read."""
-        return self.store.shapes(self.keys[index])["latents"]
+    def latent_shape(self, index: int) -> tuple:
+        """The entry's batch bucket, from the cache manifest (no tensor is read): its latent shape, then
+        the shapes of its reference latents in order when it has any."""
+        key = self.keys[index]
+        shapes = self.store.shapes(key)
+        latents = tuple(self.store.shapes(self.latents[key])["latents"] if key in self.latents else shapes["latents"])
+        references = tuple(tuple(shapes[f"ref_latents_{i}"]) for i in range(len(shapes))
+                           if f"ref_latents_{i}" in shapes)
+        return (latents, *references) if references else latents
 
 
-def load_empty_prompt(cfg: RunConfig, store) -> dict[str, torch.Tensor] | None:
+def load_empty_prompt(cfg: RunConfig, store, text_fingerprint: str | None = None) -> dict[str, torch.Tensor] | None:
     """The cached empty prompt's tensors when caption dropout needs them (stage 1 encodes them once).
 
-    Keyed by the cache's encoder fingerprint, which ``training_keys`` has checked against the model."""
+    Keyed by the config's text-encoder fingerprint (``Plan.text_fingerprint``), or, for an imported
+    cache, by the fingerprint it records.  A dropped caption keeps the row's reference latents: only
+    the prompt-side tensors become the empty prompt's, encoded without images (docs/datasets.md)."""
     if cfg.train.caption_dropout <= 0:
         return None
-    key = empty_prompt_key(cfg, store.fingerprint)
+    key = empty_prompt_key(cfg, text_fingerprint or store.fingerprint)
     if not store.has(key):
         raise InputError(f"train.caption_dropout = {cfg.train.caption_dropout} needs the empty prompt's embedding, "
                          f"which cache {store.url} lacks: run `splitflow preprocess` once more (it encodes only that)")
@@ -157,8 +173,9 @@ def run(cfg: RunConfig) -> TrainSummary:
 def _train(cfg: RunConfig) -> TrainSummary:
     started = time.perf_counter()
     spec = family_of(cfg)
-    store, keys = training_keys(cfg)  # checked against the model, derived from the config
-    empty_prompt = load_empty_prompt(cfg, store)  # before any model loads: a missing entry fails fast
+    found = training_set(cfg)  # checked against the model, derived from the config
+    store, keys = found.store, found.keys
+    empty_prompt = load_empty_prompt(cfg, store, found.plan and found.plan.text_fingerprint)  # fails fast
     optimizers.checked_args(optimizers.optimizer_class(cfg.train.optimizer), cfg.train.optimizer,
                             cfg.train.optimizer_args)  # a misspelt argument too
     configure_determinism(cfg.train.deterministic, cfg.train.seed)
@@ -173,7 +190,7 @@ def _train(cfg: RunConfig) -> TrainSummary:
         check_resume_base(checkpoints, base)
         warn_changed_numerics(checkpoints, cfg)
     transformer = load_transformer(cfg, spec)
-    samples = CachedSamples(store, keys)
+    samples = CachedSamples(store, keys, found.latents)
     callbacks = [LoraExporter(spec, output, cfg.output.export_every)]
     if cfg.train.validation_prompts and keys:  # render at the size of the first training sample
         meta = samples[0]["meta"]
