@@ -17,11 +17,13 @@ from pathlib import Path
 from .demo import COLOURS, SHAPES, SIZES, _draw
 
 
-def write_edit_dataset(folder: Path, count: int = 8, seed: int = 0, as_list: bool = True) -> Path:
-    """``count`` triples plus ``metadata.csv`` (``as_list``: ``edit_image`` a JSON list, else a
-    file name as Edit v1's dataset has it); returns the metadata path.  Skipped when it exists."""
+def write_edit_dataset(folder: Path, count: int = 8, seed: int = 0, as_list: bool = True,
+                       name: str = "metadata.csv") -> Path:
+    """``count`` triples plus their metadata ``name`` (.csv, or .json as DiffSynth's 2509/2511 examples;
+    ``as_list``: ``edit_image`` a list, else a file name as Edit v1's dataset has it); returns the
+    metadata path.  Skipped when it exists."""
     folder.mkdir(parents=True, exist_ok=True)
-    metadata = folder / "metadata.csv"
+    metadata = folder / name
     if metadata.is_file():
         return metadata
     rng = random.Random(seed)
@@ -36,11 +38,15 @@ def write_edit_dataset(folder: Path, count: int = 8, seed: int = 0, as_list: boo
         _draw(shape, COLOURS[before], COLOURS[background], size, random.Random(geometry)).save(folder / reference)
         _draw(shape, COLOURS[after], COLOURS[background], size, random.Random(geometry)).save(folder / target)
         rows.append({"image": target, "prompt": f"make the {shape} {after}",
-                     "edit_image": json.dumps([reference]) if as_list else reference})
+                     "edit_image": [reference] if as_list else reference})
     tmp = metadata.with_suffix(".tmp")
-    with tmp.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=["image", "prompt", "edit_image"])
-        writer.writeheader()
-        writer.writerows(rows)
+    if metadata.suffix == ".json":
+        tmp.write_text(json.dumps(rows, indent=1))
+    else:  # a list is a JSON list inside the CSV cell
+        with tmp.open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=["image", "prompt", "edit_image"])
+            writer.writeheader()
+            writer.writerows({**r, "edit_image": json.dumps(r["edit_image"]) if as_list else r["edit_image"]}
+                             for r in rows)
     tmp.replace(metadata)  # the metadata appears last, so its presence means the dataset is whole
     return metadata

@@ -128,7 +128,8 @@ def resolve_models(flags: dict[str, str], family: str | None) -> tuple[str, dict
         fmt = next(fmt for name, fmt in candidates if name == family)
         if fmt.component in sources:
             raise ConfigError(f"model entry {entry} is a second {fmt.component}; give each component once")
-        sources[fmt.component] = [str(p.resolve()) for p in _beside_config(files, fmt)]
+        # absolute, not resolved: a linked download keeps the release's folder name, which tells variants
+        sources[fmt.component] = [os.path.abspath(p) for p in _beside_config(files, fmt)]
     return family, sources
 
 
