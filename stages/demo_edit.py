@@ -50,3 +50,19 @@ def write_edit_dataset(folder: Path, count: int = 8, seed: int = 0, as_list: boo
                              for r in rows)
     tmp.replace(metadata)  # the metadata appears last, so its presence means the dataset is whole
     return metadata
+
+
+def prepare_edit_demo(workdir: Path, variant: str = "edit-2509", overrides: list[str] = ()):
+    """The edit demo: the drawn triples, a tiny ``variant`` model and ``workdir/config.toml`` (the
+    demo's config with the variant; references at about the targets' size, so it runs on a CPU)."""
+    from diffsynth_core.models import get_family
+
+    from .demo import demo_config
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    write_edit_dataset(workdir / "dataset", count=6, as_list=variant != "edit")
+    if not (workdir / "model" / "model_index.json").is_file():
+        get_family("qwen_image", variant).save_tiny_model(workdir / "model", 0)
+    settings = [f"model.variant={variant}", "dataset.reference_pixels=12288", "train.learning_rate=1e-2"]
+    cfg = demo_config(workdir, "qwen_image", settings + list(overrides))
+    return cfg, cfg.save(workdir / "config.toml")
