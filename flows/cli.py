@@ -76,8 +76,14 @@ def cmd_demo(args, extra) -> int:
 
     workdir = Path(args.workdir)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    cfg, config_path = prepare_demo(workdir, args.family, diffsynth.flag_overrides(extra) + list(args.set))
-    print(f"demo: dataset, tiny {args.family} model and {config_path} ready in {workdir}")
+    overrides = diffsynth.flag_overrides(extra) + list(args.set)
+    if args.variant:  # an edit model and (reference, instruction, target) triples
+        from stages.demo_edit import prepare_edit_demo
+
+        _, config_path = prepare_edit_demo(workdir, args.variant, overrides)
+    else:
+        _, config_path = prepare_demo(workdir, args.family, overrides)
+    print(f"demo: dataset, tiny {args.variant or args.family} model and {config_path} ready in {workdir}")
     args.config, args.set, args.name = str(config_path), [], args.name or workdir.resolve().name
     _run_stages(args, [], ("preprocess", "train"))
     from stages.demo import loss_trend
@@ -252,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--workdir", default=DEFAULT_DEMO_DIR, help="where the demo writes everything")
             sub.add_argument("--family", default="qwen_image", choices=known_families(),
                              help="model family of the tiny model: %(choices)s (default: %(default)s)")
+            sub.add_argument("--variant", choices=["edit", "edit-2509", "edit-2511"],
+                             help="an image-edit demo: a tiny Qwen-Image-Edit model of this variant")
         else:
             sub.add_argument("config", nargs="?", help="run config (TOML or YAML; see examples/); optional "
                                                        "when DiffSynth-Studio flags give the model and data")

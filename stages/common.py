@@ -204,8 +204,11 @@ def family_of(cfg: RunConfig) -> FamilySpec:
     if not spec.variants:
         return get_family(cfg.model.family, cfg.model.variant)
     variant = cfg.model.variant
-    if variant is None and spec.variant_of is not None and cfg.model.path:
-        variant = spec.variant_of(Path(cfg.model.path))
+    # The folder first, then a single DiT file, then released files (DiffSynth's layout).
+    sources = (cfg.model.sources or {}).get(spec.transformer_component, [])
+    for where in [cfg.model.path, cfg.model.transformer_file, *sources]:
+        if variant is None and spec.variant_of is not None and where and Path(where).exists():
+            variant = spec.variant_of(Path(where))
     if variant is None:
         choices = ", ".join(sorted(spec.variants))
         raise InputError(f"model.variant: the files of {cfg.model.path or 'model.path'} do not tell which "

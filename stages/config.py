@@ -86,6 +86,11 @@ class DatasetSource(_Section):
     height: _MultipleOf16 = None
     width: _MultipleOf16 = None
     num_frames: int | None = Field(None, ge=1)
+    # Reference images (docs/datasets.md, "Reference images"): a folder of same-stem control images
+    # (musubi-tuner's control_directory), and this source's own reference sizing (None: [dataset]'s).
+    control_directory: str | None = None
+    reference_size: Literal["family", "target", "own"] | None = None
+    reference_pixels: int | None = Field(None, gt=0)
 
 
 class DatasetSection(_Section):
@@ -108,6 +113,11 @@ class DatasetSection(_Section):
     # Several datasets with their own repeats and sizes; a musubi-tuner dataset TOML given as
     # metadata_path is expanded into these (stages/compat/musubi.py, docs/datasets.md).
     sources: list[DatasetSource] = []
+    # How reference images are sized for the VAE: "family" (the model's rule: about 1024² for
+    # Qwen-Image-Edit; reference_pixels replaces its area), "target" (the target's size), "own" (their
+    # own size floored to the multiple, at most reference_pixels).
+    reference_size: Literal["family", "target", "own"] = "family"
+    reference_pixels: int | None = Field(None, gt=0)
 
     @field_validator("background")
     @classmethod
@@ -138,6 +148,8 @@ class ModelSection(_Section):
     # Components loaded from files as released instead of model.path: {"transformer": [files or
     # folders], "vae": [...], "tokenizer": [folder], ...} (docs/diffsynth.md lists the formats).
     sources: dict[str, list[str]] | None = None
+    # Qwen-Image-Edit-2511's zero_cond_t (reference tokens at timestep 0): None = the transformer's config.
+    zero_cond_t: bool | None = None
 
     @model_validator(mode="after")
     def _sources_name_files(self):

@@ -18,7 +18,7 @@ from diffsynth_core.errors import InputError
 from diffsynth_core.models import FamilySpec
 
 from .compat.kohya import folder_sources
-from .compat.musubi import with_musubi_keys
+from .compat.musubi import control_images, with_musubi_keys
 from .config import DatasetSection, DatasetSource
 
 
@@ -46,17 +46,43 @@ def _size_rule(section: DatasetSection, source: DatasetSource) -> dict:
     return {"height": section.height, "width": section.width, "max_pixels": section.max_pixels}
 
 
+def _reference_options(section: DatasetSection, source: DatasetSource, spec: FamilySpec) -> dict:
+    """The family's reference rule and this source's sizing of references (docs/datasets.md)."""
+    return {"references": spec.references,
+            "reference_size": source.reference_size or section.reference_size,
+            "reference_pixels": source.reference_pixels or section.reference_pixels,
+            "reference_roots": [source.control_directory] if source.control_directory else []}
+
+
 def _open_source(section: DatasetSection, source: DatasetSource, spec: FamilySpec) -> list[tuple[SampleDataset, int]]:
     options = dict(data_file_keys=tuple(section.data_file_keys), frame_multiple=spec.frame_multiple,
                    num_frames=source.num_frames or section.num_frames, skip_bad_samples=section.skip_bad_samples,
                    background=section.background, allow_external_paths=section.allow_external_paths,
                    stills_only=spec.frame_multiple == 1,  # image families (base.py: "image families use 1")
-                   **_size_rule(section, source))
+                   **_size_rule(section, source), **_reference_options(section, source, spec))
     path = Path(source.metadata_path)
     if path.is_dir():
         caption_extension = source.caption_extension or section.caption_extension
-        return [(SampleDataset(f.folder, f.folder, records=f.records, **options), f.repeat * source.repeat)
+        return [(SampleDataset(f.folder, f.folder, records=_with_controls(f.records, f.folder, source), **options),
+                 f.repeat * source.repeat)
                 for f in folder_sources(path, caption_extension)]
     records = with_musubi_keys(load_metadata(path))
     base_path = source.base_path or section.base_path or None
-    return [(SampleDataset(path, base_path, records=records, **options), source.repeat)]
+    folder = Path(base_path) if base_path else path.parent
+    return [(SampleDataset(path, base_path, records=_with_controls(records, folder, source), **options),
+             source.repeat)]
+
+
+def _with_controls(records: list[dict], folder: Path, source: DatasetSource) -> list[dict]:
+    """Rows with the same-stem images of ``source.control_directory`` as ``control_path_<i>`` (musubi-tuner)."""
+    if not source.control_directory:
+        return records
+    out = []
+    controls = control_images(Path(source.control_directory), [folder / _target(row) for row in records])
+    for row, paths in zip(records, controls):
+        out.append({**row, **{f"control_path_{i}": str(p) for i, p in enumerate(paths)}})
+    return out
+
+
+def _target(row: dict) -> str:
+    return str(row.get("image") or row.get("video") or "")

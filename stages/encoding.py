@@ -6,7 +6,8 @@
   turns on it (``Encoders.lock``); ``release_encoders()`` frees the idle sets.
 * ``encode_rows`` decodes rows in background threads (``stages.decoding``), groups them into
   batches of ``preprocess.batch_size`` samples of one shape, and encodes prompts and pixels a
-  batch at a time.  Batched results equal one-at-a-time encoding up to the kernels' batch
+  batch at a time: per row a conditioning entry (the prompt embedding, ``ref_latents_<i>`` of its
+  references) and, unless the cache holds it, a target-latents entry (``stages.keys``).  Batched results equal one-at-a-time encoding up to the kernels' batch
   dependence (fp32 on CPU: within 1e-6; see docs/scaling.md); ``batch_size = 1`` is exact.
 * ``part_device`` spreads parts over ``preprocess.devices``, one GPU per part.
 """
@@ -68,16 +69,35 @@ class Encoders:
     def device(self) -> torch.device:
         return self.placement.device
 
-    def encode_prompts(self, prompts: list[str], options: dict) -> list[dict]:
-        """Prompts in as many text-encoder calls as the budget needs."""
+    def encode_prompts(self, prompts: list[str], options: dict, images: list[list] | None = None) -> list[dict]:
+        """Prompts in as many text-encoder calls as the budget needs.
+
+        ``images``: each prompt's reference images for a text encoder that sees them
+        (``ReferenceRule.text_area``); None keeps the text-only call of families without references."""
         spec, device = self.spec, str(self.device)
         if spec.encode_prompts is None:
-            return [spec.encode_prompt(self.components, p, device, **options) for p in prompts]
+            return [spec.encode_prompt(self.components, p, device, **options,
+                                       **({} if images is None else {"images": images[i]}))
+                    for i, p in enumerate(prompts)]
+        # Text tokens only: a VL prompt's image tokens come on top (prompt_lengths takes no images).
         lengths = spec.prompt_lengths(self.components, prompts, **options) if spec.prompt_lengths else [0] * len(prompts)
         out = []
         for start, stop in self.placement.prompt_chunks(spec, lengths):
-            out += spec.encode_prompts(self.components, prompts[start:stop], device, **options)
+            chunk = {} if images is None else {"images": images[start:stop]}
+            out += spec.encode_prompts(self.components, prompts[start:stop], device, **options, **chunk)
         return out
+
+    def encode_references(self, sample) -> dict:
+        """``ref_latents_<i>`` of a sample's references, each at its own size (``FamilySpec.encode_references``
+        where the family conditions on more than the latents)."""
+        spec, device = self.spec, str(self.device)
+        if not sample.references:
+            return {}
+        if spec.encode_references is not None:
+            return spec.encode_references(self.components, sample.references, device,
+                                          target_shape=tuple(sample.pixels.shape))
+        return {f"ref_latents_{i}": self.encode_pixels(ref.unsqueeze(0), None)[0]["latents"]
+                for i, ref in enumerate(sample.references)}
 
     def encode_pixels(self, pixels: torch.Tensor, tile: int | None) -> list[dict]:
         """Pixels ``(B, 3, F, H, W)`` of one shape, in as many VAE calls as the budget needs."""
@@ -106,14 +126,21 @@ def _set_tiling(vae, tile: int | None) -> None:
         vae.disable_tiling()
 
 
-def size_bound(cfg: RunConfig) -> tuple[int, int, int]:
+def size_bound(cfg: RunConfig, spec: FamilySpec | None = None) -> tuple[int, int, int]:
     """(frames, height, width) bounding the samples the dataset settings allow: the fixed size,
-    else a square of ``max_pixels`` (VAE memory grows with height x width, not the aspect)."""
+    else a square of ``max_pixels`` (VAE memory grows with height x width, not the aspect); a
+    larger reference area of the family's rule (``ReferenceRule.vae_area``) raises it."""
     section = cfg.dataset
     if section.height and section.width:
-        return section.num_frames, section.height, section.width
-    side = math.isqrt(section.max_pixels)
-    return section.num_frames, side, side
+        frames, height, width = section.num_frames, section.height, section.width
+    else:
+        side = math.isqrt(section.max_pixels)
+        frames, height, width = section.num_frames, side, side
+    area = spec.references and (section.reference_pixels or spec.references.vae_area)
+    if area and area > height * width:
+        side = math.isqrt(area) + spec.references.vae_multiple  # calculate_dimensions rounds up by < one multiple
+        return frames, side, side
+    return frames, height, width
 
 
 def load_encoders(cfg: RunConfig, spec: FamilySpec, device: torch.device) -> Encoders:
@@ -126,7 +153,7 @@ def load_encoders(cfg: RunConfig, spec: FamilySpec, device: torch.device) -> Enc
     offload = cfg.preprocess.offload_encoders
     stream = device.type == "cuda" if offload == "auto" else bool(offload)
     placement = place_encoders(components, spec, device, stream, cfg.preprocess.vram_budget_gb,
-                               cfg.preprocess.vae_tiling, size_bound(cfg), dtype.itemsize)
+                               cfg.preprocess.vae_tiling, size_bound(cfg, spec), dtype.itemsize)
     log.info("encoders of %s on %s: %s", spec.name, device, placement.report)
     return Encoders(spec, components, placement)
 
@@ -202,7 +229,7 @@ def release_encoders() -> int:
 def _pool_key(cfg: RunConfig, spec: FamilySpec, fingerprint: str, device: torch.device) -> tuple:
     p = cfg.preprocess
     return (spec.name, str(Path(cfg.model.path).resolve()), fingerprint, cfg.model.dtype, p.offload_encoders,
-            p.vram_budget_gb, p.vae_tiling, size_bound(cfg), str(device))
+            p.vram_budget_gb, p.vae_tiling, size_bound(cfg, spec), str(device))
 
 
 # --- encoding rows into the cache ----------------------------------------------------------------
@@ -228,15 +255,25 @@ def row_key_settings(cfg: RunConfig, spec: FamilySpec, settings: dict) -> dict:
     return {"vae_tile": tile} if tile else {}
 
 
+@dataclass
+class Encoded:
+    """What ``encode_rows`` wrote."""
+
+    rows: int = 0            # rows' conditioning entries (prompt, references) written
+    latents: int = 0         # target-latents entries written (the others were in the cache already)
+    skipped: list[dict] = field(default_factory=list)             # bad rows (skip_bad_samples)
+    truncated: list[tuple[int, int]] = field(default_factory=list)  # (row, tokens kept) of cut prompts
+
+
 def encode_rows(cfg: RunConfig, plan, store, rows: list[int], part: int | None,
-                empty_prompt_key: str | None = None) -> tuple[int, list[dict], list[tuple[int, int]]]:
-    """Encode ``rows`` of ``plan`` into ``store``; returns (entries written, skipped bad rows,
-    (row, tokens kept) of each prompt the text encoder truncated).
+                empty_prompt_key: str | None = None) -> Encoded:
+    """Encode ``rows`` of ``plan`` into ``store``: each row's conditioning entry, and its target latents
+    unless the cache holds them already (another config over the same image and VAE wrote them).
 
     ``empty_prompt_key``: also encode the empty prompt under that key (caption dropout's
     replacement embedding; once per cache, an auxiliary entry that is no sample)."""
     device = avoid_broken_kernels(part_device(cfg, part))
-    key = _pool_key(cfg, plan.spec, plan.fingerprint, device)
+    key = _pool_key(cfg, plan.spec, plan.encoders_fingerprint, device)
     with POOL.use(key, device, lambda: load_encoders(cfg, plan.spec, device)) as encoders:
         context = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         with context, torch.no_grad():
@@ -254,8 +291,7 @@ def _put_empty_prompt(cfg: RunConfig, store, encoders: Encoders, key: str) -> No
     store.put(key, entry)
 
 
-def _encode_batches(cfg: RunConfig, plan, store, rows: list[int],
-                    encoders: Encoders) -> tuple[int, list[dict], list[tuple[int, int]]]:
+def _encode_batches(cfg: RunConfig, plan, store, rows: list[int], encoders: Encoders) -> Encoded:
     from tqdm.auto import tqdm
 
     p = cfg.preprocess
@@ -263,41 +299,65 @@ def _encode_batches(cfg: RunConfig, plan, store, rows: list[int],
     max_length = p.max_sequence_length
     options = {"max_sequence_length": max_length} if max_length else {}
     items = decoded(plan.dataset, rows, p.decode_workers, lookahead=max(2 * p.decode_workers, p.batch_size))
-    encoded, skipped, truncated = 0, [], []
+    done = Encoded()
     with tqdm(total=len(rows), desc="preprocess", unit="sample") as progress:
         for batch in shape_batches(items, p.batch_size, max_pending=4 * p.batch_size, group=tiles.get):
             samples = [(row, sample) for row, sample in batch if sample is not None]
-            skipped += [{"row": row, "key": plan.keys[row]} for row, sample in batch if sample is None]
-            for (row, sample), entry in zip(samples, _encode_batch(encoders, samples, tiles, options)):
+            done.skipped += [{"row": row, "key": plan.keys[row]} for row, sample in batch if sample is None]
+            # A target whose latents the cache holds (or this batch encodes for an earlier row) is not encoded again.
+            need_latents, in_batch = [], set()
+            for row, _ in samples:
+                need_latents.append(not store.has(plan.latent_keys[row]) and plan.latent_keys[row] not in in_batch)
+                in_batch.add(plan.latent_keys[row])
+            for (row, sample), (latents, entry) in zip(samples, _encode_batch(encoders, samples, need_latents,
+                                                                                tiles, options)):
+                if latents is not None:  # first, so a committed row always finds its latents
+                    store.put(plan.latent_keys[row], latents)
+                    done.latents += 1
                 store.put(plan.keys[row], entry)
-                encoded += 1
+                done.rows += 1
                 if entry["meta"].get("prompt_tokens", 0) > entry["meta"].get("prompt_tokens_kept", 0):
-                    truncated.append((row, entry["meta"]["prompt_tokens_kept"]))
-                if encoded % p.commit_every == 0:
+                    done.truncated.append((row, entry["meta"]["prompt_tokens_kept"]))
+                if done.rows % p.commit_every == 0:
                     store.commit()
             progress.update(len(batch))
     store.commit()
-    return encoded, skipped, truncated
+    return done
 
 
-def _encode_batch(encoders: Encoders, samples: list, tiles: dict, options: dict) -> list[dict]:
+def _encode_batch(encoders: Encoders, samples: list, need_latents: list[bool], tiles: dict,
+                  options: dict) -> list[tuple[dict | None, dict]]:
+    """(target-latents entry or None where not needed, conditioning entry) of each sample."""
     if not samples:
         return []
+    spec = encoders.spec
     prompts = [str(sample.fields.get("prompt", "")) for _, sample in samples]
-    pixels = torch.stack([sample.pixels for _, sample in samples])
+    # The vision tower's inputs when the family's text encoder sees the references (None: a text-only call).
+    images = ([sample.reference_images for _, sample in samples]
+              if spec.references is not None and spec.references.text_area else None)
+    encode = [sample.pixels for (_, sample), needed in zip(samples, need_latents) if needed]
     with encoders.lock:
-        prompt_parts = encoders.encode_prompts(prompts, options)
-        pixel_parts = encoders.encode_pixels(pixels, tiles.get(samples[0][0]))
-    entries = []
-    for (row, sample), prompt, a, b in zip(samples, prompts, prompt_parts, pixel_parts):
-        entry = {k: _own_host_copy(v) for k, v in {**a, **b}.items()}
-        entry["meta"] = {"row": row, "prompt": prompt, "height": sample.height, "width": sample.width,
-                         "num_frames": sample.num_frames, "files": [str(f) for f in sample.files]}
-        if encoders.spec.count_prompt_tokens is not None:  # recorded so truncation is reported (issue 9)
-            needed, kept = encoders.spec.count_prompt_tokens(encoders.components, prompt, **options)
-            entry["meta"].update(prompt_tokens=needed, prompt_tokens_kept=kept)
-        entries.append(entry)
-    return entries
+        prompt_parts = encoders.encode_prompts(prompts, options, images)
+        pixel_parts = iter(encoders.encode_pixels(torch.stack(encode), tiles.get(samples[0][0])) if encode else [])
+        reference_parts = [encoders.encode_references(sample) for _, sample in samples]
+    out = []
+    for (row, sample), prompt, a, refs, needed in zip(samples, prompts, prompt_parts, reference_parts, need_latents):
+        size = {"height": sample.height, "width": sample.width, "num_frames": sample.num_frames}
+        latents = None
+        if needed:
+            latents = {k: _own_host_copy(v) for k, v in next(pixel_parts).items()}
+            latents["meta"] = {**size, "files": [str(sample.files[0])]}
+        entry = {k: _own_host_copy(v) for k, v in {**a, **refs}.items()}
+        entry["meta"] = {"row": row, "prompt": prompt, **size, "files": [str(f) for f in sample.files]}
+        if sample.references:
+            entry["meta"].update(references=len(sample.references),
+                                 reference_shapes=[list(entry[f"ref_latents_{i}"].shape)
+                                                   for i in range(len(sample.references))])
+        if spec.count_prompt_tokens is not None:  # recorded so truncation is reported (issue 9)
+            needed_tokens, kept = spec.count_prompt_tokens(encoders.components, prompt, **options)
+            entry["meta"].update(prompt_tokens=needed_tokens, prompt_tokens_kept=kept)
+        out.append((latents, entry))
+    return out
 
 
 def _own_host_copy(tensor: torch.Tensor) -> torch.Tensor:

@@ -29,13 +29,42 @@ log = logging.getLogger(__name__)
 _ENCODER_FINGERPRINT = re.compile(r"^[0-9a-f]{32}$")  # what fingerprint_of gives; imports name their origin
 
 
+# The encoder component that turns pixels into latents; every other encoder component is prompt-side.
+PIXEL_COMPONENTS = ("vae",)
+
+
 @dataclass
 class Plan:
+    """What a config needs from the cache, row by row.
+
+    A row trains on two entries: its *target latents* (``latent_keys``: keyed by the target file's
+    bytes, its decode settings and the VAE, so every config over the same image with the same VAE
+    shares it) and its *conditioning* (``keys``: the prompt embedding and the reference latents, keyed
+    by the row's fields, its reference files, the text encoder, the variant and the latents key).
+    ``keys`` are the row keys everything else counts (training order, skips, status)."""
+
     spec: FamilySpec
     dataset: SampleDataset
-    keys: dict[int, str]  # row -> content key, for the rows this plan covers, in row order
-    fingerprint: str      # identity of the encoders
+    keys: dict[int, str]  # row -> conditioning key, for the rows this plan covers, in row order
+    fingerprint: str      # the cache's identity: the family and its VAE (one latent space per cache)
     tiles: dict[int, int] = field(default_factory=dict)  # row -> VAE tile, for the rows encoded in tiles
+    latent_keys: dict[int, str] = field(default_factory=dict)  # row -> target-latents key
+    text_fingerprint: str = ""      # the prompt side: text encoder files, the variant (template)
+    encoders_fingerprint: str = ""  # every encoder file: one loaded set per value (stages.encoding.POOL)
+
+    def latents_of(self) -> dict[str, str]:
+        """Conditioning key -> its target-latents key (what training reads beside each row's entry)."""
+        return {self.keys[row]: self.latent_keys[row] for row in self.keys}
+
+
+def identities(cfg: RunConfig, spec: FamilySpec) -> tuple[dict, dict, dict]:
+    """(every encoder, the pixel side, the prompt side) identities of a config's encoders."""
+    identity = encoder_identity(cfg, spec)
+    components = identity["components"]
+    pixels = {"family": spec.name, "components": {k: v for k, v in components.items() if k in PIXEL_COMPONENTS}}
+    text = {"family": spec.name, "variant": spec.variant,
+            "components": {k: v for k, v in components.items() if k not in PIXEL_COMPONENTS}}
+    return identity, pixels, text
 
 
 def part_of(dataset, row: int, parts: int) -> int:
@@ -55,25 +84,32 @@ def make_plan(cfg: RunConfig, part: int | None = None) -> Plan:
     spec = family_of(cfg)
     check_model_folder(spec, cfg.model.path)
     dataset = open_dataset(cfg.dataset, spec)
-    identity = encoder_identity(cfg, spec)
-    encoding = {"max_sequence_length": cfg.preprocess.max_sequence_length, "dtype": cfg.model.dtype,
-                "encoders": identity}
+    identity, pixel_identity, text_identity = identities(cfg, spec)
+    pixel_encoding = {"dtype": cfg.model.dtype, "vae": pixel_identity}
+    prompt_encoding = {"max_sequence_length": cfg.preprocess.max_sequence_length, "dtype": cfg.model.dtype,
+                       "text": text_identity}
     rows = range(len(dataset.records))
     if part is not None:
         rows = [row for row in rows if part_of(dataset, row, cfg.preprocess.parts) == part]
-    keys, tiles = {}, {}
+    keys, latent_keys, tiles = {}, {}, {}
     for row in rows:
-        files = dataset.source_files(row)
+        files = dataset.source_files(row)  # the target's, then each reference's
         settings = dataset.key_settings(row)  # reads an image's header: once per row, here
         tiled = row_key_settings(cfg, spec, settings)  # the VAE tile, if any
-        keys[row] = entry_key(dataset.records[row], files, {**settings, **encoding, **tiled})
+        latent_keys[row] = entry_key(dataset.target_fields(row), files[:1], {**settings, **pixel_encoding, **tiled})
+        conditioning = {**dataset.reference_settings(row), **prompt_encoding, "latents": latent_keys[row]}
+        if len(files) > 1:  # reference latents: the VAE too (already in the latents key, stated for readers)
+            conditioning["vae"] = pixel_identity
+        keys[row] = entry_key(dataset.records[row], files[1:], conditioning)
         if tiled:  # encoding uses the tile its key records
             tiles[row] = tiled["vae_tile"]
-    return Plan(spec, dataset, keys, fingerprint_of(identity), tiles)
+    return Plan(spec, dataset, keys, fingerprint_of(pixel_identity), tiles, latent_keys,
+                fingerprint_of(text_identity), fingerprint_of(identity))
 
 
 def empty_prompt_key(cfg: RunConfig, encoder_fingerprint: str) -> str:
-    """Cache key of the empty prompt's embedding (caption dropout): one per encoders and prompt settings.
+    """Cache key of the empty prompt's embedding (caption dropout): one per text encoder (``Plan.text_fingerprint``;
+    an imported cache's fingerprint) and prompt settings.
     An auxiliary entry (``AUX_PREFIX``): stored once per cache, in no config's training keys."""
     settings = {"empty_prompt": True, "encoders": encoder_fingerprint, "dtype": cfg.model.dtype,
                 "max_sequence_length": cfg.preprocess.max_sequence_length}
@@ -85,6 +121,7 @@ class Needs:
     """What a config needs from a cache, row by row."""
 
     train: list[str] = field(default_factory=list)         # keys to train on, row order, repeats kept
+    latents: dict[str, str] = field(default_factory=dict)  # each train key -> its target-latents key
     missing: dict[int, str] = field(default_factory=dict)  # row -> key without an entry
     skipped: list[dict] = field(default_factory=list)      # bad rows left out (skip on), one per key
     rows: int = 0
@@ -104,8 +141,9 @@ def needs(plan: Plan, store, skip_bad_samples: bool, known_skips: list[dict] = (
     result = Needs(rows=len(plan.keys))
     skipped: dict[str, dict] = {}
     for row, key in plan.keys.items():
-        if store.has(key):
+        if store.has(key) and store.has(plan.latent_keys[row]):
             result.train.append(key)
+            result.latents[key] = plan.latent_keys[row]
         elif skip_bad_samples and key in recorded:
             skipped.setdefault(key, recorded[key])
         else:
@@ -152,8 +190,22 @@ def check_cache(cfg: RunConfig, store) -> Plan | None:
     return plan
 
 
+@dataclass
+class TrainingSet:
+    store: object
+    keys: list[str]                     # the rows' entries, in training order
+    latents: dict[str, str] | None      # each key -> its target-latents entry; None: entries hold their latents
+    plan: Plan | None                   # None: an imported cache
+
+
 def training_keys(cfg: RunConfig) -> tuple[object, list[str]]:
-    """The checked cache and the keys to train on; refuses a cache lacking rows of this config.
+    """The checked cache and the keys to train on (``training_set``)."""
+    found = training_set(cfg)
+    return found.store, found.keys
+
+
+def training_set(cfg: RunConfig) -> TrainingSet:
+    """The checked cache and what to train on; refuses a cache lacking rows of this config.
 
     A partial cache is accepted with ``cache.allow_partial`` (a warning says how partial).
     """
@@ -162,7 +214,7 @@ def training_keys(cfg: RunConfig) -> tuple[object, list[str]]:
     if plan is None:
         log.warning("cache %s was imported (%s): its encoders cannot be checked against %s; training on "
                     "the keys recorded at import", store.url, store.fingerprint, cfg.model.path)
-        return store, store.require_complete(allow_partial=cfg.cache.allow_partial)
+        return TrainingSet(store, store.require_complete(allow_partial=cfg.cache.allow_partial), None, None)
     found = needs(plan, store, cfg.dataset.skip_bad_samples)
     if found.missing and not cfg.cache.allow_partial:
         raise IncompleteCacheError(_missing_message(store.url, plan, found, store, cfg.dataset.skip_bad_samples))
@@ -172,7 +224,7 @@ def training_keys(cfg: RunConfig) -> tuple[object, list[str]]:
     if not found.train:
         raise IncompleteCacheError(f"cache {store.url} holds none of the {found.rows} rows this config "
                                    "trains on; run `splitflow preprocess CONFIG`")
-    return store, found.train
+    return TrainingSet(store, found.train, found.latents, plan)
 
 
 def completeness(store, found: Needs | None) -> dict:

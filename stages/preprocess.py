@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from cache_store import open_cache
 
 from .config import RunConfig
-from .encoding import encode_rows, release_encoders
+from .encoding import Encoded, encode_rows, release_encoders
 from .keys import Plan, empty_prompt_key, make_plan, needs
 from .locks import cache_part_lock
 from .secrets import storage_options
@@ -32,12 +32,16 @@ class CacheSummary:
     part: int | None
     parts: int
     rows: int             # dataset rows this call was responsible for
-    encoded: int          # entries written now
-    reused: int           # entries already in the cache
+    encoded: int          # rows encoded now (their prompt, references and, unless cached, target latents)
+    reused: int           # rows already in the cache
     skipped: list[dict] = field(default_factory=list)  # bad rows skipped (skip_bad_samples)
     truncated: int = 0    # prompts encoded now that were longer than the text encoder keeps
     complete: bool = False
     seconds: float = 0.0
+    # Of the rows encoded now: target latents encoded, and those reused from the cache (written for
+    # another config over the same images and VAE, or for an identical target earlier in this dataset).
+    latents_encoded: int = 0
+    latents_reused: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -49,6 +53,8 @@ class CacheSummary:
             text += f", {len(self.skipped)} bad rows skipped"
         if self.truncated:
             text += f", {self.truncated} prompts truncated"
+        if self.latents_reused:  # shared with another config over the same images (or a repeated target)
+            text += f"; target latents: {self.latents_encoded} encoded, {self.latents_reused} reused"
         return text + f" in {self.seconds:.1f}s -> {self.url}"
 
 
@@ -97,13 +103,15 @@ def _run_part(cfg: RunConfig, part: int | None, writer: str, lock) -> CacheSumma
     store = _open_store(cfg, plan, writer)
     store.commit_guard = lock.verify
     rows = _unique_rows(plan)
-    todo = [row for row in rows if not store.has(plan.keys[row])]
+    todo = [row for row in rows if not (store.has(plan.keys[row]) and store.has(plan.latent_keys[row]))]
     summary = CacheSummary(store.url, part, parts, len(rows), 0, len(rows) - len(todo))
-    empty_key = empty_prompt_key(cfg, plan.fingerprint)
+    empty_key = empty_prompt_key(cfg, plan.text_fingerprint)
     if part not in (None, 0) or store.has(empty_key):
         empty_key = None  # part 0 (or the only writer) encodes it, once per cache
     if todo or empty_key:
-        summary.encoded, summary.skipped, summary.truncated = _encode_rows(cfg, plan, store, todo, part, empty_key)
+        done = _encode_rows(cfg, plan, store, todo, part, empty_key)
+        summary.encoded, summary.skipped, summary.truncated = done.rows, done.skipped, len(done.truncated)
+        summary.latents_encoded, summary.latents_reused = done.latents, done.rows - done.latents
     if part is None:
         summary.complete = finalize(cfg, summary.skipped, plan=plan).complete
     summary.seconds = time.perf_counter() - started
@@ -112,15 +120,15 @@ def _run_part(cfg: RunConfig, part: int | None, writer: str, lock) -> CacheSumma
 
 
 def _encode_rows(cfg: RunConfig, plan: Plan, store, rows: list[int], part: int | None,
-                 empty_prompt_key: str | None = None) -> tuple[int, list[dict], int]:
-    encoded, skipped, truncated = encode_rows(cfg, plan, store, rows, part, empty_prompt_key)  # stages/encoding.py
-    _report_truncated(truncated, cfg.preprocess.max_sequence_length)
+                 empty_prompt_key: str | None = None) -> Encoded:
+    done = encode_rows(cfg, plan, store, rows, part, empty_prompt_key)  # stages/encoding.py
+    _report_truncated(done.truncated, cfg.preprocess.max_sequence_length)
     skipped_reasons = {row: (file, reason) for row, file, reason in plan.dataset.skipped}
-    for item in skipped:
+    for item in done.skipped:
         item["file"], item["reason"] = skipped_reasons.get(item["row"], ("", ""))
         store.put_skipped(item["key"], item)  # on disk: finalize and training read it from the cache
     store.commit()
-    return encoded, skipped, len(truncated)
+    return done
 
 
 def finalize(cfg: RunConfig, skipped: list[dict] = (), plan: Plan | None = None) -> CacheSummary:

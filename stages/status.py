@@ -152,7 +152,7 @@ def _rows_left(cfg: RunConfig, view: CacheView) -> tuple[list[int], list[str]]:
     if plan is None:  # an imported cache: nothing to encode, train on what it records
         return [], store.dataset_keys() or store.keys()
     parts = {part_of(plan.dataset, row, cfg.preprocess.parts) for row in view.found.missing}
-    if not store.has(empty_prompt_key(cfg, plan.fingerprint)):
+    if not store.has(empty_prompt_key(cfg, plan.text_fingerprint)):
         parts.add(0)  # part 0 encodes the empty prompt (caption dropout) once per cache
     return sorted(parts), view.found.train
 
@@ -171,12 +171,17 @@ def work_left(cfg: RunConfig, view: CacheView | None = None) -> WorkLeft:
     parts, keys = _rows_left(cfg, view)
     if parts:
         return WorkLeft(parts=parts, train_steps=1)
-    total = planned_total(cfg, view.store, keys)
+    total = planned_total(cfg, view.store, keys, latents=_latents_of(view))
     checkpoints = CheckpointManager(cfg.output_dir / "checkpoints")
     step, latest = checkpoints.latest_step(), checkpoints.latest_dir()
     exported = latest is not None and all(
         path.is_file() and path.stat().st_mtime >= (latest / "state.pt").stat().st_mtime for path in final_exports(cfg))
     return WorkLeft(parts=[], train_steps=max(0, total - step), total_steps=total, export=not exported)
+
+
+def _latents_of(view: CacheView) -> dict[str, str] | None:
+    """Training key -> its target-latents entry, where the cache keeps them apart (``stages.keys``)."""
+    return view.found.latents if view.found is not None else None
 
 
 def check_resume_on_disk(cfg: RunConfig, view: CacheView | None = None) -> None:
@@ -193,7 +198,8 @@ def check_resume_on_disk(cfg: RunConfig, view: CacheView | None = None) -> None:
     if parts:  # rows to encode first: the training stage checks the rest once they are in
         refuse_fixed_changes(cfg, metadata, where)
         return
-    check_resume(cfg, metadata, where, planned_total(cfg, view.store, keys), keys, notice=False)
+    total = planned_total(cfg, view.store, keys, latents=_latents_of(view))
+    check_resume(cfg, metadata, where, total, keys, notice=False)
 
 
 def stage_done(cfg: RunConfig, stage: str, part: int | None = None, left: WorkLeft | None = None) -> bool:

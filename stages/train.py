@@ -38,10 +38,10 @@ from .common import (family_of, init_distributed, is_main_process, leaving_proce
 from .config import RunConfig
 from .exports import LoraExporter, export_lora
 from .identity import METADATA_KEY, base_model, check_resume_base
-from .keys import empty_prompt_key, training_keys
+from .keys import empty_prompt_key, training_set
 from .locks import output_lock
 from .resume_rule import SAMPLES_KEY, SETTINGS_KEY, check_resume, refuse_fixed_changes, sample_record, settings
-from .validation import ValidationRenderer
+from .validation import ValidationRenderer, validation_references
 
 log = logging.getLogger(__name__)
 
@@ -69,39 +69,57 @@ class TrainSummary:
 
 
 class CachedSamples:
-    """The training set: cache entries in the order of the dataset keys, read on demand."""
+    """The training set: cache entries in the order of the dataset keys, read on demand.
 
-    def __init__(self, store, keys: list[str]):
-        self.store, self.keys = store, keys
+    ``latents``: each key's target-latents entry (``stages.keys.Plan``), read beside it; None where
+    entries hold their own latents (an imported cache)."""
+
+    def __init__(self, store, keys: list[str], latents: dict[str, str] | None = None):
+        self.store, self.keys, self.latents = store, keys, latents or {}
 
     def __len__(self) -> int:
         return len(self.keys)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        return self.store.get(self.keys[index])
+        key = self.keys[index]
+        entry = self.store.get(key)
+        if key not in self.latents:
+            return entry
+        target = self.store.get(self.latents[key])
+        return {**target, **entry, "meta": {**target.get("meta", {}), **entry.get("meta", {})}}
 
-    def latent_shape(self, index: int) -> tuple[int, ...]:
-        """The entry's latent shape (its batch bucket), from the cache manifest: no tensor is read."""
-        return self.store.shapes(self.keys[index])["latents"]
+    def latent_shape(self, index: int) -> tuple:
+        """The entry's batch bucket, from the cache manifest (no tensor is read): its latent shape, then
+        the shapes of its reference latents in order when it has any."""
+        key = self.keys[index]
+        shapes = self.store.shapes(key)
+        latents = tuple(self.store.shapes(self.latents[key])["latents"] if key in self.latents else shapes["latents"])
+        references = tuple(tuple(shapes[f"ref_latents_{i}"]) for i in range(len(shapes))
+                           if f"ref_latents_{i}" in shapes)
+        return (latents, *references) if references else latents
 
 
-def planned_total(cfg: RunConfig, store, keys: list[str], rank: int = 0, world_size: int = 1) -> int:
+def planned_total(cfg: RunConfig, store, keys: list[str], rank: int = 0, world_size: int = 1,
+                  latents: dict[str, str] | None = None) -> int:
     """Optimizer steps the run of ``cfg`` makes over ``keys`` (``planned_steps``; batches per epoch
-    as the loop's sampler makes them, shapes read from the cache's manifest)."""
+    as the loop's sampler makes them, shapes read from the cache's manifest; ``latents``: training key ->
+    its target-latents entry, see ``CachedSamples``)."""
     if cfg.train.max_steps:
         return planned_steps(cfg.train, 0)
-    sampler = BucketSampler(latent_shapes(CachedSamples(store, keys)), cfg.train.batch_size, cfg.train.drop_last,
+    sampler = BucketSampler(latent_shapes(CachedSamples(store, keys, latents)), cfg.train.batch_size, cfg.train.drop_last,
                             cfg.dataset.repeat, cfg.train.seed, rank, world_size)
     return planned_steps(cfg.train, sampler.rounds_per_epoch)
 
 
-def load_empty_prompt(cfg: RunConfig, store) -> dict[str, torch.Tensor] | None:
+def load_empty_prompt(cfg: RunConfig, store, text_fingerprint: str | None = None) -> dict[str, torch.Tensor] | None:
     """The cached empty prompt's tensors when caption dropout needs them (stage 1 encodes them once).
 
-    Keyed by the cache's encoder fingerprint, which ``training_keys`` has checked against the model."""
+    Keyed by the config's text-encoder fingerprint (``Plan.text_fingerprint``), or, for an imported
+    cache, by the fingerprint it records.  A dropped caption keeps the row's reference latents: only
+    the prompt-side tensors become the empty prompt's, encoded without images (docs/datasets.md)."""
     if cfg.train.caption_dropout <= 0:
         return None
-    key = empty_prompt_key(cfg, store.fingerprint)
+    key = empty_prompt_key(cfg, text_fingerprint or store.fingerprint)
     if not store.has(key):
         raise InputError(f"train.caption_dropout = {cfg.train.caption_dropout} needs the empty prompt's embedding, "
                          f"which cache {store.url} lacks: run `splitflow preprocess` once more (it encodes only that)")
@@ -113,8 +131,13 @@ def load_transformer(cfg: RunConfig, spec: FamilySpec) -> torch.nn.Module:
     dtype = model_dtype(cfg)
     if cfg.model.transformer_file:
         config_dir = Path(cfg.model.path) / spec.transformer_component
-        return spec.load_transformer_file(Path(cfg.model.transformer_file), config_dir, dtype)
-    return load_components(cfg, spec, (spec.transformer_component,))[spec.transformer_component]
+        transformer = spec.load_transformer_file(Path(cfg.model.transformer_file), config_dir, dtype)
+    else:
+        transformer = load_components(cfg, spec, (spec.transformer_component,))[spec.transformer_component]
+    for key, apply in spec.transformer_options.items():  # e.g. model.zero_cond_t over the files' own
+        if getattr(cfg.model, key, None) is not None:
+            transformer = apply(transformer, getattr(cfg.model, key))
+    return transformer
 
 
 def _full_name(spec: FamilySpec) -> str:
@@ -169,8 +192,9 @@ def _train(cfg: RunConfig) -> TrainSummary:
         check_model_folder(spec, cfg.model.path)
     checkpoints = CheckpointManager(cfg.output_dir / "checkpoints")
     refuse_fixed_changes(cfg, checkpoints.latest_metadata(), str(checkpoints.latest_dir()))  # before any reading
-    store, keys = training_keys(cfg)  # checked against the model, derived from the config
-    empty_prompt = load_empty_prompt(cfg, store)  # before any model loads: a missing entry fails fast
+    found = training_set(cfg)  # checked against the model, derived from the config
+    store, keys = found.store, found.keys
+    empty_prompt = load_empty_prompt(cfg, store, found.plan and found.plan.text_fingerprint)  # fails fast
     optimizers.checked_args(optimizers.optimizer_class(cfg.train.optimizer), cfg.train.optimizer,
                             cfg.train.optimizer_args)  # a misspelt argument too
     configure_determinism(cfg.train.deterministic, cfg.train.seed)
@@ -184,13 +208,14 @@ def _train(cfg: RunConfig) -> TrainSummary:
         check_resume_base(checkpoints, base)
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         check_resume(cfg, checkpoints.latest_metadata(), str(checkpoints.latest_dir()),
-                     planned_total(cfg, store, keys, 0, world), keys)
+                     planned_total(cfg, store, keys, 0, world, found.latents), keys)
     transformer = load_transformer(cfg, spec)
-    samples = CachedSamples(store, keys)
+    samples = CachedSamples(store, keys, found.latents)
     callbacks = [LoraExporter(spec, output, cfg.output.export_every, cfg.output.diffsynth_files)]
     if cfg.train.validation_prompts and keys:  # render at the size of the first training sample
         meta = samples[0]["meta"]
-        callbacks.append(ValidationRenderer(cfg, spec, (meta["height"], meta["width"]), meta.get("num_frames", 1)))
+        callbacks.append(ValidationRenderer(cfg, spec, (meta["height"], meta["width"]), meta.get("num_frames", 1),
+                                            references=validation_references(cfg, spec)))
     trainer = Trainer(spec, transformer, samples, cfg.train, cfg.offload, output,
                       device=device, repeat=cfg.dataset.repeat, callbacks=callbacks,
                       checkpoint_metadata={METADATA_KEY: base, SETTINGS_KEY: settings(cfg),

@@ -3,7 +3,8 @@
 Every ``train.validation_steps`` optimizer steps, each prompt of ``train.validation_prompts`` is
 rendered with the current weights (LoRA included) and saved as
 ``<output>/validation/step-<N>-<i>.png``.  Generation draws from its own seeded generator and
-restores the global RNG afterwards, so validation never changes the training run.
+restores the global RNG afterwards, so validation never changes the training run.  A family that
+takes reference images (an edit model) renders an edit of the first dataset row's references.
 """
 
 from __future__ import annotations
@@ -33,11 +34,39 @@ def _first_image(output) -> Image.Image:
     return Image.fromarray((np.asarray(first) * 255).round().clip(0, 255).astype(np.uint8))
 
 
+def to_image(pixels: torch.Tensor) -> Image.Image:
+    """A reference ``(3 or 4, 1, H, W)`` in ``[-1, 1]`` as the RGB image a pipeline takes."""
+    rgb = ((pixels[:3, 0].float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    return Image.fromarray(rgb.permute(1, 2, 0).numpy())
+
+
+def first_references(dataset, rows: int = 16) -> list[Image.Image]:
+    """The reference images of the first of the dataset's first ``rows`` rows that has any (none: [])."""
+    for index in range(min(rows, len(dataset))):
+        sample = dataset[index]
+        if sample is not None and getattr(sample, "references", None):
+            return [to_image(ref) for ref in sample.references]
+    return []
+
+
+def validation_references(cfg: RunConfig, spec: FamilySpec) -> list[Image.Image]:
+    """What validation edits: the first dataset row's references, for families that take them."""
+    if spec.references is None:
+        return []
+    from .datasets import open_dataset
+
+    return first_references(open_dataset(cfg.dataset, spec))
+
+
 class ValidationRenderer:
-    def __init__(self, cfg: RunConfig, spec: FamilySpec, size: tuple[int, int], num_frames: int = 1):
+    def __init__(self, cfg: RunConfig, spec: FamilySpec, size: tuple[int, int], num_frames: int = 1,
+                 references: list[Image.Image] = ()):
         self.cfg, self.spec, self.size = cfg, spec, size
         # Video pipelines default to long clips (Wan: 81 frames); render as many as we train on.
         self.extra_kwargs = {"num_frames": num_frames} if spec.frame_multiple > 1 else {}
+        if references:  # an edit: Edit v1's pipeline takes one image, the others a list
+            one = spec.references.max_count == 1
+            self.extra_kwargs["image"] = references[0] if one else list(references)
         self.folder = cfg.output_dir / "validation"
         self._pipe = None
 
@@ -46,8 +75,12 @@ class ValidationRenderer:
             import diffusers
 
             pipeline_class = getattr(diffusers, self.spec.pipeline_class_name)
+            # A VL processor loads as the family loads it (transformers' own wants torchvision).
+            extra = ({"processor": self.spec.load_components(Path(self.cfg.model.path), ("processor",),
+                                                             model_dtype(self.cfg), "cpu")["processor"]}
+                     if "processor" in self.spec.encoder_components else {})
             self._pipe = pipeline_class.from_pretrained(self.cfg.model.path, transformer=transformer,
-                                                        dtype=model_dtype(self.cfg))
+                                                        dtype=model_dtype(self.cfg), **extra)
         return self._pipe
 
     def __call__(self, step: int, model: torch.nn.Module) -> list[Path]:

@@ -1,7 +1,8 @@
 """Several datasets trained as one: rows of each, in order, each repeated its own number of times.
 
 ``ConcatSamples`` offers the row-level verbs preprocessing uses on a ``SampleDataset``
-(``records``, ``source_files``, ``key_settings``, ``load``, ``skipped``), so one training run can
+(``records``, ``source_files``, ``key_settings``, ``target_fields``, ``reference_settings``,
+``load``, ``skipped``), so one training run can
 mix datasets with different folders, sizes, frame counts and repeats.  A repeated row is the
 same row again: it gets the same cache key, is encoded once and is trained on as many times.
 """
@@ -46,6 +47,14 @@ class ConcatSamples:
     def key_settings(self, index: int) -> dict[str, Any]:
         part, row = self._rows[index]
         return self.parts[part].key_settings(row)
+
+    def target_fields(self, index: int) -> dict[str, Any]:
+        part, row = self._rows[index]
+        return self.parts[part].target_fields(row)
+
+    def reference_settings(self, index: int) -> dict[str, Any]:
+        part, row = self._rows[index]
+        return self.parts[part].reference_settings(row)
 
     def load(self, index: int) -> Sample | None:
         part, row = self._rows[index]

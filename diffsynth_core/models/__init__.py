@@ -66,8 +66,15 @@ def check_model_folder(spec: FamilySpec, path: str | Path) -> None:
     pipeline = read_model_index_file(Path(path)).get("_class_name")
     if pipeline is None or pipeline == spec.pipeline_class_name:
         return
-    matching = [name for name in known_families() if get_family(name).pipeline_class_name == pipeline]
-    hint = f"set model.family = {matching[0]!r}" if matching else "use a model folder of this family"
+    matching = [(name, None) for name in known_families() if get_family(name).pipeline_class_name == pipeline]
+    matching += [(name, variant) for name in known_families() for variant in get_family(name).variants
+                 if get_family(name, variant).pipeline_class_name == pipeline]
+    if matching and matching[0][0] == spec.name:
+        hint = f"set model.variant = {matching[0][1]!r}" if matching[0][1] else "leave model.variant unset"
+    elif matching:
+        hint = f"set model.family = {matching[0][0]!r}"
+    else:
+        hint = "use a model folder of this family"
     raise InputError(f"model.path {path} holds a {pipeline} model, but model.family = {spec.name!r} "
                      f"expects a {spec.pipeline_class_name}: {hint}")
 

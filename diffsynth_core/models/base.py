@@ -182,3 +182,6 @@ class FamilySpec:
     # variant_of(model_path) -> the variant the files are, or None where they cannot tell
     variant_of: Callable[[Path], str | None] | None = None
     experts: tuple[Expert, ...] = ()
+    # ``model.<key>`` settings the family applies to its loaded transformer, key -> apply(transformer,
+    # value) -> transformer (Edit-2511's ``zero_cond_t``); an unset (None) key leaves it as loaded.
+    transformer_options: Mapping[str, Callable[[torch.nn.Module, Any], torch.nn.Module]] = field(default_factory=dict)

@@ -58,18 +58,26 @@ def _pipeline_cls():
 
 # --- tiny model --------------------------------------------------------------------------
 
-def _tiny_text_encoder(vocab_size: int, eos_id: int):
+# AutoencoderKLQwenImage at a tiny width (the released layout otherwise).
+TINY_VAE_CONFIG = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
+                       temperal_downsample=[False, True, True])
+
+
+def _tiny_text_encoder(vocab_size: int, eos_id: int, token_ids: Mapping[str, int] | None = None):
+    """Tiny Qwen2.5-VL (vision tower included); ``token_ids``: the tokenizer's vision token ids
+    (the edit variants' prompts hold images), else ids past the vocabulary."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     v = vocab_size
+    ids = dict(vision_start_token_id=v + 1, vision_end_token_id=v + 2, image_token_id=v + 3, video_token_id=v + 4)
+    ids.update(token_ids or {})
     config = Qwen2_5_VLConfig(
         text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                          num_key_value_heads=1, vocab_size=v + 8, bos_token_id=eos_id, eos_token_id=eos_id,
                          pad_token_id=eos_id,
                          rope_scaling={"mrope_section": [2, 2, 4], "rope_type": "default", "type": "default"}),
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32),
-        vocab_size=v + 8, vision_start_token_id=v + 1, vision_end_token_id=v + 2, image_token_id=v + 3,
-        video_token_id=v + 4, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
+        vocab_size=v + 8, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, **ids,
     )
     return Qwen2_5_VLForConditionalGeneration(config)
 
@@ -82,8 +90,7 @@ def save_tiny_model(out_dir: Path, seed: int = 0) -> Path:
     with MODEL_INIT_LOCK, torch.random.fork_rng():
         torch.manual_seed(seed)
         text_encoder = _tiny_text_encoder(len(tokenizer), tokenizer.eos_token_id)
-        vae = AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
-                                     temperal_downsample=[False, True, True])
+        vae = AutoencoderKLQwenImage(**TINY_VAE_CONFIG)
         transformer = QwenImageTransformer2DModel(**TRANSFORMER_CONFIGS["tiny"])
     pipe = _pipeline_cls()(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG), vae=vae,
                            text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
@@ -200,23 +207,41 @@ def prompt_encode_bytes(tokens: int) -> int:
 
 # --- training forward ------------------------------------------------------------------------
 
+def reference_latents(cond: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """``cond``'s ``ref_latents_0``, ``ref_latents_1``, ... in order (an edit's reference images)."""
+    refs = []
+    while f"ref_latents_{len(refs)}" in cond:
+        refs.append(cond[f"ref_latents_{len(refs)}"])
+    return refs
+
+
 def dit_forward(transformer: torch.nn.Module, latents: torch.Tensor, sigmas: torch.Tensor,
                 cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Velocity prediction ``(B, 16, 1, h, w)`` for latents ``(B, 16, 1, h, w)`` at noise levels ``sigmas``."""
+    """Velocity prediction ``(B, 16, 1, h, w)`` for latents ``(B, 16, 1, h, w)`` at noise levels ``sigmas``.
+
+    Reference latents (``ref_latents_<i>``, each ``(B, 16, 1, h_i, w_i)``) are packed after the
+    target's tokens with their own ``img_shapes``, as QwenImageEditPlusPipeline calls the
+    transformer; the prediction is the target's tokens alone."""
     pipe_cls = _pipeline_cls()
     b, c, f, h, w = latents.shape
     if f != 1:
         raise ValueError(f"Qwen-Image latents must have one frame, got shape {tuple(latents.shape)}")
     dtype = module_dtype(transformer)
-    packed = pipe_cls._pack_latents(latents[:, :, 0].to(dtype), b, c, h, w)
+    tokens = [pipe_cls._pack_latents(latents[:, :, 0].to(dtype), b, c, h, w)]
+    shapes = [(1, h // PATCH, w // PATCH)]
+    for ref in reference_latents(cond):
+        rh, rw = ref.shape[-2:]
+        tokens.append(pipe_cls._pack_latents(ref[:, :, 0].to(dtype), b, ref.shape[1], rh, rw))
+        shapes.append((1, rh // PATCH, rw // PATCH))
     mask = cond.get("prompt_embeds_mask")
     if mask is not None and bool(mask.all()):
         mask = None  # what the pipeline passes for unpadded prompts (and cheaper attention)
     out = transformer(
-        hidden_states=packed, timestep=sigmas.to(dtype), encoder_hidden_states=cond["prompt_embeds"].to(dtype),
-        encoder_hidden_states_mask=mask, img_shapes=[[(1, h // PATCH, w // PATCH)]] * b, return_dict=False,
+        hidden_states=torch.cat(tokens, dim=1), timestep=sigmas.to(dtype),
+        encoder_hidden_states=cond["prompt_embeds"].to(dtype), encoder_hidden_states_mask=mask,
+        img_shapes=[shapes] * b, return_dict=False,
     )[0]
-    return pipe_cls._unpack_latents(out, h * VAE_SCALE, w * VAE_SCALE, VAE_SCALE)
+    return pipe_cls._unpack_latents(out[:, : tokens[0].shape[1]], h * VAE_SCALE, w * VAE_SCALE, VAE_SCALE)
 
 
 # --- without weights -------------------------------------------------------------------------
@@ -279,6 +304,10 @@ DIFFSYNTH_CACHE_FIELDS = {"input_latents": "latents", "prompt_emb": "prompt_embe
                           "prompt_emb_mask": "prompt_embeds_mask"}
 
 
+# The edit variants (Edit v1, 2509, 2511) replace these fields; imported here, once everything
+# they reuse from this module is defined.
+from . import qwen_image_edit  # noqa: E402
+
 SPEC = FamilySpec(
     name="qwen_image",
     encoder_components=ENCODER_COMPONENTS,
@@ -314,4 +343,8 @@ SPEC = FamilySpec(
     extras={"latent_channels": 16, "vae_scale_factor": VAE_SCALE, "pixel_multiple": VAE_SCALE * PATCH,
             "default_max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH},
     released_formats=qwen_image_released.FORMATS,  # DiffSynth's Qwen-Image module names are diffusers'
+    variants=qwen_image_edit.VARIANTS,
+    variant_of=qwen_image_edit.variant_of,
+    # model.zero_cond_t (DiffSynth's --zero_cond_t): Edit-2511's reference modulation, over the files' config
+    transformer_options={"zero_cond_t": qwen_image_edit.set_zero_cond_t},
 )

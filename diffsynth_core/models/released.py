@@ -246,6 +246,10 @@ def load_named(formats: Sequence[ReleasedFormat], component: str, files: Sequenc
                device: str | torch.device = "cpu") -> Any:
     """Component ``component`` from its files: a tokenizer folder (no weights) or weights in one of ``formats``."""
     weights, _ = weight_and_config_files(files)
+    if not weights and component == "processor":  # a VL model's processor (the Qwen-Image-Edit releases)
+        from .qwen_vl_processor import load_processor
+
+        return load_processor(Path(os.path.commonpath([str(Path(f).parent) for f in files])))
     if not weights:
         return load_tokenizer(files)
     shapes = read_shapes(weights)  # read once: to recognise the format and to infer its config

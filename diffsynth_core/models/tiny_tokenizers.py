@@ -49,6 +49,34 @@ def qwen2_tokenizer():
     return tok
 
 
+# The system text of the Qwen-Image-Edit templates (diffusers' pipeline_qwenimage_edit(_plus).py): with
+# its words merged whole the template's prefix is exactly the 64 tokens the edit pipelines drop.
+_QWEN_EDIT_SYSTEM = (
+    "Describe the key features of the input image (color, shape, size, texture, objects, background), then "
+    "explain how the user's text instruction should alter or modify the image. Generate a new image that meets "
+    "the user's requirements while maintaining consistency with the original input where appropriate."
+)
+# Qwen2.5-VL's vision prompt tokens, in the order its processor and config name them.
+QWEN_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def qwen2_vl_tokenizer():
+    """``qwen2_tokenizer`` plus the vision tokens and the edit template's words: what the edit
+    pipelines' Qwen2VLProcessor wraps (Qwen-Image's 34-token prefix is unchanged)."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import Qwen2Tokenizer
+
+    words = [w for w, _ in qwen2_tokenizer().backend_tokenizer.pre_tokenizer.pre_tokenize_str(_QWEN_EDIT_SYSTEM)]
+    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
+    merges = _prefix_merges(_QWEN_WORDS + [w for w in words if w not in _QWEN_WORDS], vocab)
+    # " user" would stop at "Ġ" + "user" ("user" merges first, from the chat roles): join them last.
+    merges += [("Ġ", w[1:]) for w in words if w.startswith("Ġ") and w[1:] in vocab and ("Ġ", w[1:]) not in merges]
+    tok = Qwen2Tokenizer(vocab=vocab, merges=merges)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", *QWEN_VISION_TOKENS]})
+    tok.chat_template = _QWEN_CHAT_TEMPLATE
+    return tok
+
+
 def clip_tokenizer():
     """``CLIPTokenizer`` over the byte alphabet (with and without ``</w>``); max length 77 like CLIP-L."""
     from tokenizers.pre_tokenizers import ByteLevel

@@ -1,7 +1,7 @@
 """Cache entries -> one batch of tensors: stacking, padding of variable-length prompts, caption dropout.
 
-Entries of one batch share their latent shape (the sampler buckets them), so latents stack as they
-are.  Prompt-side tensors whose length differs between prompts are named by the family
+Entries of one batch share their latent shape and their reference latents' shapes (the sampler
+buckets them), so latents and ``ref_latents_<i>`` stack as they are.  Prompt-side tensors whose length differs between prompts are named by the family
 (``FamilySpec.batch_padding``: tensor -> mask): both are zero-padded on dim 0 to the batch's
 longest, the mask's padding being 0, which the DiT's attention then ignores.
 """
@@ -17,14 +17,25 @@ from ..errors import InputError
 
 
 def latent_shapes(samples: Sequence[Mapping[str, Any]]) -> list[Hashable]:
-    """Each sample's bucket: its latent shape, frames included.
+    """Each sample's bucket: its latent shape, frames included (and its reference latents' shapes).
 
     Training sets that can tell a shape without reading the tensors (``samples.latent_shape(i)``,
     e.g. from the cache's manifest) are asked; others are read.
     """
     if hasattr(samples, "latent_shape"):
         return [tuple(samples.latent_shape(i)) for i in range(len(samples))]
-    return [tuple(samples[i]["latents"].shape) for i in range(len(samples))]
+    return [_bucket(samples[i]) for i in range(len(samples))]
+
+
+def _bucket(entry: Mapping[str, Any]) -> Hashable:
+    """The latent shape, then each reference's (``ref_latents_<i>``) when there are any: samples with
+    other reference counts or sizes never share a batch."""
+    latents = tuple(entry["latents"].shape)
+    references, i = [], 0
+    while isinstance(entry.get(f"ref_latents_{i}"), torch.Tensor):
+        references.append(tuple(entry[f"ref_latents_{i}"].shape))
+        i += 1
+    return (latents, *references) if references else latents
 
 
 def with_empty_prompt(entry: Mapping[str, Any], empty_prompt: Mapping[str, torch.Tensor]) -> dict[str, Any]:

@@ -36,7 +36,7 @@ class SamplerState:
 class Batch:
     indices: tuple[int, ...]  # sample indices into the training set
     serials: tuple[int, ...]  # each sample's draw serial (seeds its noise, timestep, caption dropout)
-    bucket: Hashable          # what its samples share (their latent shape)
+    bucket: Hashable          # what its samples share (their latent shape, and their reference latents' shapes)
 
 
 @dataclass(frozen=True)
@@ -138,5 +138,8 @@ class BucketSampler:
 
 
 def format_bucket(bucket: Hashable) -> str:
-    """``(16, 1, 12, 16)`` -> ``16x1x12x16`` (metrics.csv and logs)."""
+    """``(16, 1, 12, 16)`` -> ``16x1x12x16`` (metrics.csv and logs); a bucket with reference latents,
+    ``((16, 1, 12, 16), (16, 1, 8, 8))``, -> ``16x1x12x16+16x1x8x8``."""
+    if isinstance(bucket, tuple) and bucket and all(isinstance(part, tuple) for part in bucket):
+        return "+".join(format_bucket(part) for part in bucket)
     return "x".join(str(d) for d in bucket) if isinstance(bucket, tuple) else str(bucket)

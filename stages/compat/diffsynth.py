@@ -55,7 +55,9 @@ FLAGS: dict[str, Flag] = {
     "tokenizer_path": Flag(), "tokenizer_1_path": Flag(), "tokenizer_2_path": Flag(),
     "processor_path": Flag(noop="Qwen-Image-Edit's processor; text-to-image training does not use it"),
     "audio_processor_path": Flag(noop="Wan2.2-S2V's audio processor; text-to-video training does not use it"),
-    "extra_inputs": Flag(refuse="edit/control inputs are not cached; " + _IMAGE_ONLY),
+    # Pipeline inputs read from dataset columns: the reference columns only (checked in _check_extra_inputs);
+    # the dataset reads them as each row's reference images whenever the model takes references.
+    "extra_inputs": Flag("list"),
     "fp8_models": Flag(refuse="FP8 weights are not supported; use offload.storage_dtype or enable_model_cpu_offload"),
     "offload_models": Flag(noop="preprocess streams the encoders from host memory by itself "
                                 "(preprocess.offload_encoders, auto on a GPU)"),
@@ -63,7 +65,7 @@ FLAGS: dict[str, Flag] = {
                                           "a LoRA file use --lora_checkpoint"),
     "quant_options": Flag(refuse="dynamic quantization is not supported"),
     "initialize_model_on_cpu": Flag("switch", noop="models are always built on the CPU, then placed"),
-    "zero_cond_t": Flag("switch", default=False, refuse="Qwen-Image-Edit-2511's zero_cond_t is not supported"),
+    "zero_cond_t": Flag("switch", "model.zero_cond_t"),  # Qwen-Image-Edit-2511; absent: the transformer's config
     "framewise_decoding": Flag("switch", default=False, refuse="WanToDance's framewise decoding is not supported"),
     "max_timestep_boundary": Flag(default=1.0, refuse="timestep boundaries (Wan2.2 MoE experts) are not supported"),
     "min_timestep_boundary": Flag(default=0.0, refuse="timestep boundaries (Wan2.2 MoE experts) are not supported"),
@@ -201,6 +203,16 @@ def _check_refused(flags: dict[str, str]) -> None:
                        "not supported)")
     if refused:
         raise ConfigError(f"DiffSynth-Studio flag(s) splitflow cannot honour: {'; '.join(refused)}")
+
+
+def _check_extra_inputs(flags: dict[str, str]) -> None:
+    """``--extra_inputs``: reference-image columns are cached (stage 1 encodes them); others are refused."""
+    from diffsynth_core.data.references import REFERENCE_COLUMNS, is_reference_column
+
+    others = [name for name in _value(FLAGS["extra_inputs"], flags.get("extra_inputs", "")) if not is_reference_column(name)]
+    if others:
+        raise ConfigError(f"--extra_inputs {','.join(others)}: splitflow caches reference images only "
+                          f"({', '.join(REFERENCE_COLUMNS)}); {_IMAGE_ONLY}")
 
 
 def _print_notices(flags: dict[str, str]) -> None:
@@ -348,6 +360,7 @@ def run_config_from_cli(config: str | None, sets: list[str], tokens: list[str], 
     """The ``RunConfig`` of a command line: CONFIG file (optional) < DiffSynth flags < ``--set``."""
     flags = parse_flags(tokens)
     _check_refused(flags)
+    _check_extra_inputs(flags)
     if config is None and verb == "deploy":
         raise ConfigError("splitflow deploy registers a CONFIG file: write one (see examples/), or run the command "
                           "once with `splitflow train` and deploy the config.toml it saves under --output_path")

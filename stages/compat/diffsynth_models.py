@@ -128,17 +128,42 @@ def resolve_models(flags: dict[str, str], family: str | None) -> tuple[str, dict
         fmt = next(fmt for name, fmt in candidates if name == family)
         if fmt.component in sources:
             raise ConfigError(f"model entry {entry} is a second {fmt.component}; give each component once")
-        sources[fmt.component] = [str(p.resolve()) for p in _beside_config(files, fmt)]
+        # absolute, not resolved: a linked download keeps the release's folder name, which tells variants
+        sources[fmt.component] = [os.path.abspath(p) for p in _beside_config(files, fmt)]
     return family, sources
 
 
+# Components a variant's encoders add, and where DiffSynth's train.py finds them unless a flag names
+# them (examples/qwen_image/model_training/train.py: processor_config, "Qwen/Qwen-Image-Edit:processor/"
+# for every edit model).
+DEFAULT_VARIANT_FILES = {
+    "processor": ("processor_path", "Qwen/Qwen-Image-Edit:processor/"),
+}
+
+
+def _variant_of_sources(spec, sources: dict[str, list[str]]) -> str | None:
+    """The variant the transformer's files tell (its release's folder name in DiffSynth's layout)."""
+    if spec.variant_of is None:
+        return None
+    for path in sources.get(spec.transformer_component, []):
+        variant = spec.variant_of(Path(path))
+        if variant is not None:
+            return variant
+    return None
+
+
 def add_tokenizers(family: str, sources: dict[str, list[str]], flags: dict[str, str]) -> None:
-    """Tokenizer folders where the encoders are given: DiffSynth's defaults unless a flag names them."""
+    """Tokenizer folders where the encoders are given: DiffSynth's defaults unless a flag names them
+    (and the processor of an edit variant: the transformer's files tell which)."""
     spec = get_family(family)
     if not any(name in sources for name in spec.encoder_components):
         return
     base = model_base(flags)
-    for component, (flag, default) in DEFAULT_TOKENIZERS.get(family, {}).items():
+    variant = _variant_of_sources(spec, sources)
+    extra = {} if variant is None else {
+        name: DEFAULT_VARIANT_FILES[name] for name in get_family(family, variant).encoder_components
+        if name in DEFAULT_VARIANT_FILES and name not in spec.encoder_components}
+    for component, (flag, default) in {**DEFAULT_TOKENIZERS.get(family, {}), **extra}.items():
         if component in sources:
             continue
         if flags.get(flag):

@@ -12,7 +12,13 @@ Names and defaults follow musubi-tuner's src/musubi_tuner/dataset/config_utils.p
   ``height = H``, ``width = W``;
 * ``target_frames`` (``frame_extraction = "head"``): one source per frame count, each taking the
   first N frames, as musubi makes one item per count;
-* ``batch_size`` -> ``train.batch_size`` (unless the config sets it; one value for all entries).
+* ``batch_size`` -> ``train.batch_size`` (unless the config sets it; one value for all entries);
+* ``control_directory`` -> the source's ``control_directory`` (same-stem control images, datasources.py
+  ``ImageDirectoryDatasource``: ``name.png``, else ``name_0.png``, ``name_1.png``, ... by index); controls
+  are sized as musubi sizes them (image_video_dataset.py ``ImageDataset``): to the target's size by
+  default (``reference_size = "target"``), to about ``control_resolution = [W, H]``'s area
+  (``reference_pixels``), or kept at their own size floored to the multiple with ``no_resize_control``
+  (``reference_size = "own"``, at most ``control_resolution``'s area when both are given).
 
 Relative paths are resolved against the working directory, as musubi opens them, and stored
 absolute.  Keys with no splitflow meaning are refused, or accepted with one notice line where
@@ -44,8 +50,7 @@ VIDEO_KEYS = {"video_directory", "video_jsonl_file", "control_directory", "targe
 # Accepted, cannot change what splitflow trains: one notice line each.
 NO_OP = {"cache_directory": "splitflow keeps its own cache (cache.url)",
          "bucket_no_upscale": "splitflow never upscales in area mode (enable_bucket = true)",
-         "fp_latent_window_size": "FramePack only", "no_resize_control": "control images are not supported",
-         "control_resolution": "control images are not supported",
+         "fp_latent_window_size": "FramePack only",
          "frame_stride": "only used by frame_extraction = slide", "frame_sample": "only used by uniform",
          "max_frames": "only used by frame_extraction = full"}
 
@@ -83,7 +88,7 @@ def _check_keys(entry: dict[str, Any], allowed: set[str], path: Path, where: str
     unknown = sorted(set(entry) - allowed)
     if unknown:
         raise _fail(path, where, f"unknown key {unknown[0]!r}")
-    refused = {"control_directory": "control images", "multiple_target": "multiple targets (Qwen-Image-Layered)",
+    refused = {"multiple_target": "multiple targets (Qwen-Image-Layered)",
                "fp_1f_clean_indices": "FramePack one-frame training", "fp_1f_target_index": "FramePack one-frame",
                "fp_1f_no_post": "FramePack one-frame", "source_fps": "frame-rate conversion"}
     for key, what in refused.items():
@@ -108,10 +113,56 @@ def _sources(own: dict[str, Any], general: dict[str, Any], path: Path, where: st
               "repeat": entry["num_repeats"], **_size(entry, path, where)}
     if entry["caption_extension"] is not None:
         source["caption_extension"] = entry["caption_extension"]
+    source.update(_control_options(entry, path, where))
     if not video:
         return [source]
     frames = entry.get("target_frames", [1])  # VideoDatasetParams.target_frames
     return [{**source, "num_frames": n} for n in dict.fromkeys(frames)]
+
+
+def _control_options(entry: dict[str, Any], path: Path, where: str) -> dict[str, Any]:
+    """How musubi sizes an entry's control images, as ``dataset.sources`` keys (module docstring)."""
+    out: dict[str, Any] = {"reference_size": "target"}  # musubi's default: controls to the target's bucket
+    if entry.get("control_directory") is not None:
+        out["control_directory"] = _absolute(entry["control_directory"], path, f"{where}.control_directory")
+    resolution = entry.get("control_resolution")
+    if resolution is not None:
+        width, height = (resolution, resolution) if isinstance(resolution, int) else tuple(resolution)
+        if not all(isinstance(v, int) and v > 0 for v in (width, height)):
+            raise _fail(path, f"{where}.control_resolution", f"expected [width, height], got {resolution!r}")
+        out.update(reference_size="family", reference_pixels=width * height)
+    if entry.get("no_resize_control"):
+        out["reference_size"] = "own"
+    return out
+
+
+def control_images(folder: Path, targets: list[Path]) -> list[list[Path]]:
+    """Each target's control images in ``folder``: ``stem.*`` first, then ``stem_<digits>.*`` by number.
+
+    musubi-tuner's rule (datasources.py ``ImageDirectoryDatasource``): longer target names match first and
+    take their files, so ``cat_2.png``'s controls are not also ``cat.png``'s."""
+    from .kohya import IMAGE_EXTENSIONS
+
+    if not folder.is_dir():
+        raise InputError(f"dataset control_directory {folder} is not a folder")
+    free = {p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS}
+    found: dict[int, list[Path]] = {}
+    for index in sorted(range(len(targets)), key=lambda i: len(targets[i].name), reverse=True):
+        stem = targets[index].stem
+        mine = [p for p in free if p.name.startswith(stem + ".") or p.name.startswith(stem + "_")]
+        free.difference_update(mine)
+        found[index] = sorted(mine, key=lambda p: _control_order(p, stem, folder))
+    return [found[i] for i in range(len(targets))]
+
+
+def _control_order(path: Path, stem: str, folder: Path) -> int:
+    if path.stem == stem:
+        return 0
+    suffix = path.stem.rsplit("_", 1)[-1]
+    if not suffix.isdigit():
+        raise InputError(f"control_directory {folder}: {path.name} matches image {stem!r} but its suffix "
+                         f"{suffix!r} is not an index; name controls {stem}.png or {stem}_0.png, {stem}_1.png, ...")
+    return int(suffix) + 1
 
 
 def read_dataset_config(path: str | Path) -> tuple[list[dict[str, Any]], int]:

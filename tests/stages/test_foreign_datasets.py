@@ -122,9 +122,10 @@ def test_a_musubi_dataset_toml_maps_each_dataset_to_a_source_and_trains(demo_ass
         cfg = _config(demo_assets, tmp_path, {"metadata_path": str(toml)})
     assert [s.model_dump(exclude_none=True) for s in cfg.dataset.sources] == [
         {"metadata_path": str(folder), "base_path": "", "repeat": 2, "caption_extension": ".caption",
-         "max_pixels": 64 * 48},  # enable_bucket: area-based
+         "max_pixels": 64 * 48, "reference_size": "target"},  # enable_bucket: area-based
         {"metadata_path": str(jsonl), "base_path": "", "repeat": 1, "caption_extension": ".caption",
-         "height": 32, "width": 32}]  # no bucket: musubi's fixed resolution
+         "height": 32, "width": 32, "reference_size": "target"}]  # no bucket: musubi's fixed resolution
+    # (control images, none here, would be sized to the target's bucket, as musubi sizes them)
     assert cfg.train.batch_size == 2  # trained in batches of one latent shape (bucket)
     assert "datasets[0].cache_directory has no effect" in caplog.text
 
@@ -163,7 +164,7 @@ def test_musubi_video_and_batch_settings_map(tmp_path):
 @pytest.mark.parametrize("body, message", [
     ('[[datasets]]\nimage_directory = "x"\nflip_aug = true\n', "datasets\\[0\\]: unknown key 'flip_aug'"),
     ('[[datasets]]\nvideo_directory = "x"\nframe_extraction = "chunk"\n', "frame_extraction: 'chunk' is not"),
-    ('[[datasets]]\nimage_directory = "x"\ncontrol_directory = "c"\n', "control images are not supported"),
+    ('[[datasets]]\nimage_directory = "x"\ncontrol_resolution = [0, 8]\n', "control_resolution: expected"),
     ('[general]\nbatch_size = 1\n[[datasets]]\nimage_directory = "x"\n[[datasets]]\nimage_directory = "y"\n'
      'batch_size = 2\n', "batch_size: differs between datasets"),
     ('[[datasets]]\nimage_directory = "x"\nimage_jsonl_file = "y"\n', "give exactly one of"),

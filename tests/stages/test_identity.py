@@ -30,19 +30,19 @@ def own_model(demo_assets, tmp_path):
     return shutil.copytree(demo_assets / "model", tmp_path / "model")
 
 
-def test_a_same_size_encoder_edit_changes_the_fingerprint_and_the_cache_refuses_it(make_config, own_model):
+def test_a_same_size_vae_edit_changes_the_fingerprint_and_the_cache_refuses_it(make_config, own_model):
+    """A cache is one latent space: other VAE weights are refused, naming both fingerprints."""
     cfg = make_config(f"model.path={own_model}")
     keep_rows(cfg, 2)
-    spec = get_family(cfg.model.family)
-    fingerprint = fingerprint_of(encoder_identity(cfg, spec))
-    assert fingerprint_of(encoder_identity(cfg, spec)) == fingerprint  # same files, same identity
+    fingerprint = preprocess.make_plan(cfg).fingerprint
+    assert preprocess.make_plan(cfg).fingerprint == fingerprint  # same files, same identity
     assert preprocess.run(cfg).encoded == 2
 
-    weights = own_model / "text_encoder" / "model.safetensors"
+    weights = next((own_model / "vae").glob("*.safetensors"))
     size = weights.stat().st_size
     edit_in_place(weights)
     assert weights.stat().st_size == size
-    edited = fingerprint_of(encoder_identity(cfg, spec))
+    edited = preprocess.make_plan(cfg).fingerprint
     assert edited != fingerprint
     both = f"'{fingerprint}'.*'{edited}'"
     with pytest.raises(CacheFormatError, match=both):  # no "0 encoded, 2 already cached"
@@ -50,6 +50,24 @@ def test_a_same_size_encoder_edit_changes_the_fingerprint_and_the_cache_refuses_
     with pytest.raises(CacheFormatError, match=both):
         train.run(cfg)
     assert not (cfg.output_dir / "checkpoints").exists()
+
+
+def test_a_same_size_text_encoder_edit_reencodes_the_prompts_and_reuses_the_latents(make_config, own_model):
+    """Prompt entries are keyed by the text encoder's files: an edit there never serves a stale embedding,
+    while the target latents (keyed by the VAE) stay valid and are reused."""
+    cfg = make_config(f"model.path={own_model}")
+    keep_rows(cfg, 2)
+    spec = get_family(cfg.model.family)
+    fingerprint = fingerprint_of(encoder_identity(cfg, spec))
+    before = preprocess.make_plan(cfg)
+    assert preprocess.run(cfg).encoded == 2
+
+    edit_in_place(own_model / "text_encoder" / "model.safetensors")
+    assert fingerprint_of(encoder_identity(cfg, spec)) != fingerprint
+    after = preprocess.make_plan(cfg)
+    assert after.latent_keys == before.latent_keys and set(after.keys.values()).isdisjoint(before.keys.values())
+    summary = preprocess.run(cfg)
+    assert (summary.encoded, summary.reused, summary.latents_encoded, summary.latents_reused) == (2, 0, 0, 2)
 
 
 def test_train_refuses_a_cache_encoded_for_another_family_naming_both(make_config, tmp_path):

@@ -21,7 +21,7 @@ def test_two_configs_sharing_a_cache_each_train_on_exactly_their_entries(make_co
     preprocess.run(large)  # the last one to finalize no longer decides for the other
 
     store = open_cache(large.cache_url, mode="r")
-    assert len(store.keys()) == 6
+    assert len(store.keys()) == 2 * 6  # six rows, each a conditioning entry and a target-latents entry
     for cfg, sizes in ((large, {(96, 96), (96, 128)}), (small, {(96, 96), (80, 112)})):
         _, keys = training_keys(cfg)
         assert keys == list(make_plan(cfg).keys.values())

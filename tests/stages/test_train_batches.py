@@ -9,7 +9,7 @@ from diffsynth_core.errors import InputError
 from diffsynth_core.training.metrics import read_metrics
 from stages import preprocess, train
 from stages.demo import demo_config
-from stages.keys import empty_prompt_key
+from stages.keys import empty_prompt_key, training_set
 from stages.train import CachedSamples
 
 from .sigkill import train_until_first_checkpoint
@@ -35,8 +35,8 @@ def cached(demo_assets, tmp_path_factory):
 @pytest.mark.parametrize("batch_size", [2, 4])
 def test_a_mixed_shape_cache_trains_in_batches_of_one_bucket(cached, batch_size):
     cfg = cached(f"b{batch_size}", f"train.batch_size={batch_size}", "train.max_steps=4", "train.save_steps=0")
-    store = open_cache(cfg.cache_url)
-    samples = CachedSamples(store, store.require_complete())
+    found = training_set(cfg)  # each row's entry and its target-latents entry
+    samples = CachedSamples(found.store, found.keys, found.latents)
     shapes = [samples.latent_shape(i) for i in range(len(samples))]  # from the manifest, no tensor read
     assert shapes == [tuple(samples[i]["latents"].shape) for i in range(len(samples))]
     assert {"x".join(map(str, s)) for s in shapes} == BUCKETS and len(shapes) == 16  # 8 of each
@@ -49,7 +49,7 @@ def test_a_mixed_shape_cache_trains_in_batches_of_one_bucket(cached, batch_size)
 def test_caption_dropout_trains_on_the_empty_prompt_stage_1_stored_once(cached, tmp_path):
     cfg = cached("dropout", "train.caption_dropout=0.5")
     store = open_cache(cfg.cache_url)
-    key = empty_prompt_key(cfg, store.fingerprint)
+    key = empty_prompt_key(cfg, training_set(cfg).plan.text_fingerprint)
     assert store.has(key) and key not in store.keys()  # an auxiliary entry: stored once, no sample
     assert store.get(key)["meta"]["prompt"] == "" and store.stats()["aux_entries"] == 1
     # Only part 0 of a cache's writers encodes it: a cache of part 1 alone (trained with allow_partial) lacks it.

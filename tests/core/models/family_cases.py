@@ -5,6 +5,7 @@ against the pipeline's own denoiser call)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -22,7 +23,14 @@ class FamilyCase:
     from_pipeline_call: Callable[[Any, dict[str, Any], torch.Tensor], tuple]
     # (pipe, prompt) -> the pipeline's own encode_prompt result under our key names, no batch dim
     pipeline_prompt: Callable[[Any, str], dict[str, torch.Tensor]]
+    # context the pipeline call runs in (the edit cases shrink the pipelines' reference sizes)
+    pipeline_context: Callable[[], Any] = contextlib.nullcontext
     tiny_kwargs: dict[str, Any] = field(default_factory=dict)
+    variant: str | None = None  # FamilySpec.variants entry the case tests
+    # encode_prompt's extra keyword arguments (an edit's reference images); pipeline_prompt gets the same
+    prompt_kwargs: dict[str, Any] = field(default_factory=dict)
+    # (3, 1, H, W) pixel shapes of reference images, VAE-encoded into ``ref_latents_<i>`` for training
+    reference_shapes: tuple[tuple[int, int, int, int], ...] = ()
 
     def save_tiny(self, spec, out_dir, seed=0):
         return functools.partial(spec.save_tiny_model, **self.tiny_kwargs)(out_dir, seed)
@@ -73,6 +81,63 @@ def _wan_prompt(pipe, prompt):
     return {"prompt_embeds": embeds[0]}
 
 
+def _qwen_edit_inputs(pipe, kw, out):
+    """The edit pipelines pack the references after the target: split them back by ``img_shapes``."""
+    shapes = kw["img_shapes"][0]
+    sizes = [h * w for _, h, w in shapes]
+    pieces = torch.split(kw["hidden_states"], sizes, dim=1)
+    unpacked = [pipe._unpack_latents(p, h * 16, w * 16, 8) for p, (_, h, w) in zip(pieces, shapes)]
+    target_only = {**kw, "hidden_states": pieces[0], "img_shapes": [shapes[:1]]}
+    latents, sigmas, cond, target = _qwen_inputs(pipe, target_only, out[:, : sizes[0]])
+    cond.update({f"ref_latents_{i}": ref for i, ref in enumerate(unpacked[1:])})
+    return latents, sigmas, cond, target
+
+
+def _qwen_edit_prompt(pipe, prompt, images):
+    embeds, mask = pipe.encode_prompt(prompt, image=images)
+    mask = torch.ones(embeds.shape[:2], dtype=torch.long) if mask is None else mask
+    return {"prompt_embeds": embeds[0], "prompt_embeds_mask": mask[0]}
+
+
+@functools.cache
+def edit_images():
+    """Two small reference images of different aspect (a red square on grey, a blue bar on white)."""
+    from PIL import Image, ImageDraw
+
+    first = Image.new("RGB", (64, 48), "grey")
+    ImageDraw.Draw(first).rectangle((16, 12, 40, 36), fill="red")
+    second = Image.new("RGB", (48, 64), "white")
+    ImageDraw.Draw(second).rectangle((8, 20, 40, 30), fill="blue")
+    return first, second
+
+
+@contextlib.contextmanager
+def small_references(area=64 * 64):
+    """The edit pipelines resize references to about 1024² (VAE) and 384² (vision tower): a small
+    ``area`` keeps a tiny model's pipeline call cheap on the CPU and computes the same way."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as v1, pipeline_qwenimage_edit_plus as plus
+
+    saved = (v1.calculate_dimensions, plus.VAE_IMAGE_SIZE, plus.CONDITION_IMAGE_SIZE)
+    original = v1.calculate_dimensions
+    v1.calculate_dimensions = lambda target_area, ratio: original(area, ratio)
+    plus.VAE_IMAGE_SIZE, plus.CONDITION_IMAGE_SIZE = area, area // 2
+    try:
+        yield
+    finally:
+        v1.calculate_dimensions, plus.VAE_IMAGE_SIZE, plus.CONDITION_IMAGE_SIZE = saved
+
+
+def _edit_case(variant, count):
+    images = list(edit_images()[:count])
+    one = variant == "edit"
+    return FamilyCase(f"qwen_image_{variant}", "qwen_image", (3, 1, 64, 96),
+                      dict(height=64, width=96, num_inference_steps=2, image=images[0] if one else images),
+                      _qwen_edit_inputs,
+                      lambda pipe, prompt: _qwen_edit_prompt(pipe, prompt, images[0] if one else images),
+                      pipeline_context=small_references, variant=variant, prompt_kwargs={"images": images},
+                      reference_shapes=tuple((3, 1, 32 + 32 * i, 64) for i in range(count)))
+
+
 CASES = [
     FamilyCase("qwen_image", "qwen_image", (3, 1, 64, 96),
                dict(height=64, width=96, num_inference_steps=2), _qwen_inputs, _qwen_prompt),
@@ -83,4 +148,7 @@ CASES = [
                tiny_kwargs={"guidance_embeds": False}),
     FamilyCase("wan", "wan", (3, 5, 64, 64), dict(height=64, width=64, num_frames=5, num_inference_steps=2,
                guidance_scale=1.0, max_sequence_length=32), _wan_inputs, _wan_prompt),
+    _edit_case("edit", 1),
+    _edit_case("edit-2509", 2),
+    _edit_case("edit-2511", 2),
 ]

@@ -34,7 +34,7 @@ def case(request):
 
 @pytest.fixture(scope="module")
 def spec(case):
-    return get_family(case.family)
+    return get_family(case.family, case.variant)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,18 @@ def components(spec, tiny_dir):
 def _pipeline(spec, tiny_dir):
     import diffusers
 
-    return getattr(diffusers, spec.pipeline_class_name).from_pretrained(tiny_dir)
+    # The edit pipelines' processor is loaded as the family loads it (transformers' own needs torchvision).
+    extra = spec.load_components(tiny_dir, ("processor",), torch.float32, "cpu") if spec.references else {}
+    return getattr(diffusers, spec.pipeline_class_name).from_pretrained(tiny_dir, **extra)
+
+
+def _cond(case, spec, components):
+    """Batched conditioning of one sample: its prompt (with the case's reference images) and their latents."""
+    cond = dict(spec.encode_prompt(components, PROMPT, "cpu", **case.prompt_kwargs))
+    for i, shape in enumerate(case.reference_shapes):
+        pixels = torch.rand(shape, generator=torch.Generator().manual_seed(10 + i)) * 2 - 1
+        cond[f"ref_latents_{i}"] = spec.encode_pixels(components, pixels, "cpu")["latents"]
+    return _batched(cond)
 
 
 def _pixels(case, seed=1):
@@ -117,7 +128,7 @@ def test_single_file_with_foreign_weights_names_the_problem(spec, tiny_dir, tmp_
 
 def test_encode_prompt_matches_the_pipeline(case, spec, tiny_dir, components):
     pipe = _pipeline(spec, tiny_dir)
-    ours = spec.encode_prompt(components, PROMPT, "cpu")
+    ours = spec.encode_prompt(components, PROMPT, "cpu", **case.prompt_kwargs)
     with torch.no_grad():  # T5 takes other kernels with autograd on (differences of 1e-7)
         theirs = case.pipeline_prompt(pipe, PROMPT)
     assert set(ours) == set(theirs)
@@ -157,7 +168,8 @@ def test_dit_forward_matches_the_pipelines_transformer_call(case, spec, tiny_dir
         seen.setdefault("call", (kwargs, out[0]))  # returns None: the output is left alone
 
     pipe.transformer.register_forward_hook(first_call, with_kwargs=True)
-    pipe(PROMPT, output_type="latent", generator=torch.Generator().manual_seed(0), **case.pipeline_kwargs)
+    with case.pipeline_context():
+        pipe(prompt=PROMPT, output_type="latent", generator=torch.Generator().manual_seed(0), **case.pipeline_kwargs)
     kwargs, out = seen["call"]
     latents, sigmas, cond, expected = case.from_pipeline_call(pipe, kwargs, out)
     with torch.no_grad():
@@ -202,7 +214,7 @@ def trained(case, spec, tiny_dir, components, tmp_path_factory):
     transformer = spec.load_components(tiny_dir, (spec.transformer_component,), torch.float32, "cpu")[
         spec.transformer_component]
     latents = spec.encode_pixels(components, _pixels(case), "cpu")["latents"][None]
-    cond = _batched(spec.encode_prompt(components, PROMPT, "cpu"))
+    cond = _cond(case, spec, components)
     config, losses = _train_lora(spec, transformer, latents, cond)
     out_dir = tmp_path_factory.mktemp(case.id + "-lora")
     paths = spec.export_lora(get_peft_model_state_dict(transformer), config, out_dir)
@@ -266,7 +278,7 @@ def test_bf16_base_with_fp32_lora_trains_under_checkpointing(case, spec, tiny_di
     transformer.enable_gradient_checkpointing()
     transformer.train()
     latents = spec.encode_pixels(components, _pixels(case), "cpu")["latents"][None]
-    cond = _batched(spec.encode_prompt(components, PROMPT, "cpu"))
+    cond = _cond(case, spec, components)
     noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(3))
     pred = spec.dit_forward(transformer, 0.5 * latents + 0.5 * noise, torch.tensor([0.5]), cond)
     assert pred.shape == latents.shape and pred.dtype == torch.bfloat16

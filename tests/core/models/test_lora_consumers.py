@@ -49,13 +49,13 @@ def _merged(base: dict[str, torch.Tensor], peft_sd: dict[str, torch.Tensor]) -> 
     return out
 
 
-@pytest.fixture(scope="module", params=["qwen_image", "flux", "wan"])
+@pytest.fixture(scope="module", params=["qwen_image", "qwen_image:edit", "qwen_image:edit-2509", "flux", "wan"])
 def exported(request, tmp_path_factory):
-    spec = get_family(request.param)
+    spec = get_family(*request.param.split(":"))  # family[:variant]: the edit DiTs share Qwen-Image's names
     model, config = _lora_model(spec)
     peft_sd = lora_state_dict(model)
     base = {k: v.clone() for k, v in spec.build_transformer("tiny", torch.float32, "cpu").state_dict().items()}
-    out = tmp_path_factory.mktemp(request.param)
+    out = tmp_path_factory.mktemp(request.param.replace(":", "-"))
     paths = spec.export_lora(peft_sd, config, out)
     return dict(spec=spec, model=model, config=config, peft_sd=peft_sd, base=base, paths=paths,
                 truth=_merged(base, peft_sd))
