@@ -196,10 +196,13 @@ def family_of(cfg: RunConfig) -> FamilySpec:
     if not spec.variants:
         return get_family(cfg.model.family, cfg.model.variant)
     variant = cfg.model.variant
-    if variant is None and spec.variant_of is not None and cfg.model.path:
-        variant = spec.variant_of(Path(cfg.model.path))
+    # the transformer's own files where model.sources names them (DiffSynth's flags), else the model folder
+    sources = (cfg.model.sources or {}).get(spec.transformer_component) or []
+    where = sources[0] if sources else cfg.model.path
+    if variant is None and spec.variant_of is not None and where:
+        variant = spec.variant_of(Path(where))
     if variant is None:
         choices = ", ".join(sorted(spec.variants))
-        raise InputError(f"model.variant: the files of {cfg.model.path or 'model.path'} do not tell which "
+        raise InputError(f"model.variant: the files of {where or 'model.path'} do not tell which "
                          f"{spec.name} variant they are; set model.variant to one of: {choices}")
     return get_family(cfg.model.family, variant)
