@@ -172,14 +172,14 @@ def _z_image_components():
     from diffsynth_core.models.z_image import TRANSFORMER_CONFIGS
 
     tok = tiny_tokenizers.qwen2_tokenizer()
-    text = Qwen3Model(Qwen3Config(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                  num_key_value_heads=1, head_dim=32, vocab_size=len(tok) + 8, rms_norm_eps=1e-6,
+    text = Qwen3Model(Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                  num_key_value_heads=1, head_dim=16, vocab_size=len(tok) + 8, rms_norm_eps=1e-6,
                                   rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True))
     vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, down_block_types=["DownEncoderBlock2D"] * 4,
                         up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=[32] * 4, layers_per_block=1,
                         norm_num_groups=32, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False,
                         use_post_quant_conv=False, sample_size=1024)
-    dit = ZImageTransformer2DModel(**TRANSFORMER_CONFIGS["tiny"])  # the released facts, tiny sizes
+    dit = ZImageTransformer2DModel(**TRANSFORMER_CONFIGS["tiny"])  # the released facts, tiny sizes (text width 32)
     return dict(text_encoder=text, tokenizer=tok, vae=vae, transformer=dit)
 
 
