@@ -147,3 +147,22 @@ def test_training_turbo_without_an_adapter_logs_the_reference_recommendation_onc
         prepare_for_training(base.build_transformer("tiny", torch.float32, "cpu"), base, TrainSection(lora_rank=4),
                              offload, torch.device("cpu"))
     assert not [r for r in caplog.records if "distilled" in r.getMessage()]
+
+
+def test_split_training_step_one_finds_z_image_from_its_encoders_and_asks_for_the_variant(released_models,
+                                                                                          monkeypatch):
+    """DiffSynth's split-training first step names only the encoders: Qwen3 and the FLUX.1 VAE are
+    Z-Image's alone, but without the DiT no file tells Turbo from base."""
+    from stages.common import family_of
+    from stages.compat.diffsynth import run_config_from_cli
+
+    monkeypatch.chdir(released_models("z_image"))
+    monkeypatch.delenv("DIFFSYNTH_MODEL_BASE_PATH", raising=False)
+    flags = ["--model_id_with_origin_paths", "Tongyi-MAI/Z-Image-Turbo:text_encoder/*.safetensors,"
+             "Tongyi-MAI/Z-Image-Turbo:vae/diffusion_pytorch_model.safetensors", "--dataset_base_path", "data",
+             "--dataset_metadata_path", "data/m.csv", "--output_path", "cache", "--task", "sft:data_process"]
+    cfg = run_config_from_cli(None, [], flags, "run")
+    assert cfg.model.family == "z_image" and set(cfg.model.sources) == {"text_encoder", "vae", "tokenizer"}
+    with pytest.raises(InputError, match="set model.variant to one of: base, turbo"):
+        family_of(cfg)
+    assert family_of(run_config_from_cli(None, ["model.variant=turbo"], flags, "run")).variant == "turbo"
