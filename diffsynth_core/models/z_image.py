@@ -316,7 +316,8 @@ def export_lora(peft_state_dict: dict[str, torch.Tensor], lora_config: dict[str,
 
 
 # diffsynth/pipelines/z_image.py: ZImageUnit_InputImageEmbedder -> input_latents (1, 16, h, w),
-# ZImageUnit_PromptEmbedder -> prompt_embeds (a list of (L, 2560) tensors).
+# ZImageUnit_PromptEmbedder -> prompt_embeds (a list of (L, 2560) tensors).  Names only: no test imports such a
+# cache yet, and its list-valued prompt_embeds (no mask) may need a conversion there.
 DIFFSYNTH_CACHE_FIELDS = {"input_latents": "latents", "prompt_embeds": "prompt_embeds"}
 
 
