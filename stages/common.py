@@ -211,6 +211,6 @@ def family_of(cfg: RunConfig) -> FamilySpec:
             variant = spec.variant_of(Path(where))
     if variant is None:
         choices = ", ".join(sorted(spec.variants))
-        raise InputError(f"model.variant: the files of {cfg.model.path or 'model.path'} do not tell which "
+        raise InputError(f"model.variant: the files of {where or 'model.path'} do not tell which "
                          f"{spec.name} variant they are; set model.variant to one of: {choices}")
     return get_family(cfg.model.family, variant)

@@ -90,6 +90,9 @@ def demo_config(workdir: Path, family: str = "qwen_image", overrides: list[str] 
                   "validation_inference_steps": 8},
         "output": {"path": str(workdir / "output")},
     }
+    variants = list(get_family(family).variants)
+    if variants:  # the tiny model's files cannot tell a variant: it stands for the family's first
+        data["model"]["variant"] = variants[0]
     return build_config(data, list(overrides), source="demo")
 
 

@@ -19,6 +19,7 @@ _FAMILY_MODULES = {
     "qwen_image": "qwen_image",
     "flux": "flux",
     "wan": "wan",
+    "z_image": "z_image",
 }
 
 

@@ -21,7 +21,7 @@ import torch
 
 SAMPLING_SCHEMES = ("uniform", "logit_normal", "shift", "resolution_shift", "diffsynth")
 WEIGHTING_SCHEMES = ("none", "sigma_sqrt", "cosmap", "diffsynth")
-DIFFSYNTH_TEMPLATES = ("FLUX.1", "Wan", "Qwen-Image")
+DIFFSYNTH_TEMPLATES = ("FLUX.1", "Wan", "Qwen-Image", "Z-Image")
 DIFFSYNTH_STEPS = 1000  # DiffSynth trains on set_timesteps(1000, training=True)
 
 
@@ -40,7 +40,7 @@ def resolution_shift(num_tokens: int, base_tokens: int = 256, max_tokens: int = 
 
 # --- DiffSynth-Studio's training schedule ------------------------------------------------------
 # Source: DiffSynth-Studio diffsynth/diffusion/flow_match.py (FlowMatchScheduler.set_timesteps_flux,
-# set_timesteps_wan, set_timesteps_qwen_image, set_training_weight, training_weight), called as
+# set_timesteps_wan, set_timesteps_qwen_image, set_timesteps_z_image, set_training_weight, training_weight), called as
 # set_timesteps(1000, training=True) by diffsynth/diffusion/training_module.py; the loss that draws
 # from it is diffsynth/diffusion/loss.py::FlowMatchSFTLoss.  Computed here in float64, kept in float32.
 
@@ -53,6 +53,8 @@ def diffsynth_sigmas(template: str, steps: int = DIFFSYNTH_STEPS) -> torch.Tenso
     open_grid = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)[:-1]  # 1 .. 1/steps
     if template == "Wan":
         return shift_sigmas(open_grid, 5.0).float()
+    if template == "Z-Image":  # set_timesteps_z_image: Wan's grid with shift 3
+        return shift_sigmas(open_grid, 3.0).float()
     if template == "Qwen-Image":  # exponential shift, mu = 0.8, then the last point stretched to 0.02
         mu, shift_terminal = 0.8, 0.02
         shifted = math.exp(mu) / (math.exp(mu) + (1.0 / open_grid - 1.0))

@@ -149,6 +149,8 @@ def prepare_for_training(model: nn.Module, spec: FamilySpec, train, offload, dev
         _refuse_what_cannot_step_in_backward(train, offload)
     if train.preset_lora_path:
         fuse_lora_file(model, train.preset_lora_path, rename=spec.native_module_name)
+    elif spec.extras.get("training_notice"):  # e.g. a distilled variant trained as a base model, without an adapter
+        log.warning("%s", spec.extras["training_notice"])
     torch.manual_seed(train.seed)  # LoRA initialisation is part of the run's reproducibility
     lora_config = _choose_trainable(model, spec, train)
     if lora_config is not None and getattr(train, "lora_narrow_inputs", False):

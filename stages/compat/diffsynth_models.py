@@ -33,6 +33,7 @@ DEFAULT_TOKENIZERS = {
     "flux": {"tokenizer": ("tokenizer_1_path", "black-forest-labs/FLUX.1-dev:tokenizer/"),
              "tokenizer_2": ("tokenizer_2_path", "black-forest-labs/FLUX.1-dev:tokenizer_2/")},
     "wan": {"tokenizer": ("tokenizer_path", "Wan-AI/Wan2.1-T2V-1.3B:google/umt5-xxl/")},
+    "z_image": {"tokenizer": ("tokenizer_path", "Tongyi-MAI/Z-Image-Turbo:tokenizer/")},
 }
 
 
@@ -120,7 +121,7 @@ def resolve_models(flags: dict[str, str], family: str | None) -> tuple[str, dict
         candidates = recognise({name: get_family(name).released_formats for name in known_families()}, files)
         if not candidates:
             raise ConfigError(f"model entry {entry}: {files[0] if files else 'no files'} is no component splitflow "
-                              "recognises (Qwen-Image, FLUX.1 or Wan2.1 weights as released)")
+                              "recognises (Qwen-Image, FLUX.1, Wan2.1 or Z-Image weights as released)")
         found.append((entry, candidates, files))
     family = _family_of([(entry, c) for entry, c, _ in found], family)
     sources: dict[str, list[str]] = {}

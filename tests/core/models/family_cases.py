@@ -152,3 +152,25 @@ CASES = [
     _edit_case("edit-2509", 2),
     _edit_case("edit-2511", 2),
 ]
+
+
+def _z_image_inputs(pipe, kw, out):
+    """ZImagePipeline calls its DiT with lists: latents (C, 1, h, w) and prompts (L_i, D) of their own
+    lengths, timestep (1000 - t) / 1000 = 1 - sigma, and negates the output (x0 - noise) into the velocity."""
+    prompts = kw["cap_feats"]
+    longest = max(p.shape[0] for p in prompts)
+    embeds = torch.stack([torch.nn.functional.pad(p, (0, 0, 0, longest - p.shape[0])) for p in prompts])
+    mask = torch.stack([(torch.arange(longest) < p.shape[0]).long() for p in prompts])
+    sigmas = 1 - kw["t"]
+    return torch.stack(kw["x"]), sigmas, {"prompt_embeds": embeds, "prompt_embeds_mask": mask}, -torch.stack(out)
+
+
+def _z_image_prompt(pipe, prompt):
+    embeds, _ = pipe.encode_prompt(prompt, do_classifier_free_guidance=False)
+    return {"prompt_embeds": embeds[0], "prompt_embeds_mask": torch.ones(embeds[0].shape[0], dtype=torch.long)}
+
+
+# guidance_scale 4: the pipeline batches the prompt with the empty negative prompt, two lengths, so the
+# padded batch and its mask are checked against the DiT's own list of prompts.
+CASES.append(FamilyCase("z_image", "z_image", (3, 1, 64, 96), dict(height=64, width=96, num_inference_steps=2,
+                        guidance_scale=4.0), _z_image_inputs, _z_image_prompt))

@@ -23,7 +23,9 @@ from diffsynth_core.models.loading import MODEL_INIT_LOCK
 from diffsynth_core.models.wan import native_name
 from diffsynth_core.models.wan_released import umt5_to_native_t5
 
-MODEL_IDS = {"qwen_image": "Qwen/Qwen-Image", "flux": "black-forest-labs/FLUX.1-dev", "wan": "Wan-AI/Wan2.1-T2V-1.3B"}
+MODEL_IDS = {"qwen_image": "Qwen/Qwen-Image", "flux": "black-forest-labs/FLUX.1-dev", "wan": "Wan-AI/Wan2.1-T2V-1.3B",
+             "z_image": "Tongyi-MAI/Z-Image-Turbo"}
+Z_IMAGE_BASE_ID = "Tongyi-MAI/Z-Image"  # DiffSynth's Z-Image.sh takes only the transformer from here
 
 
 # --- inverse conversions ----------------------------------------------------------------------------
@@ -163,6 +165,24 @@ def _wan_components():
     return dict(text_encoder=text, tokenizer=tok, vae=vae, transformer=dit)
 
 
+def _z_image_components():
+    from diffusers import AutoencoderKL, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    from diffsynth_core.models.z_image import TRANSFORMER_CONFIGS
+
+    tok = tiny_tokenizers.qwen2_tokenizer()
+    text = Qwen3Model(Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                  num_key_value_heads=1, head_dim=16, vocab_size=len(tok) + 8, rms_norm_eps=1e-6,
+                                  rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True))
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, down_block_types=["DownEncoderBlock2D"] * 4,
+                        up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=[32] * 4, layers_per_block=1,
+                        norm_num_groups=32, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False,
+                        use_post_quant_conv=False, sample_size=1024)
+    dit = ZImageTransformer2DModel(**TRANSFORMER_CONFIGS["tiny"])  # the released facts, tiny sizes (text width 32)
+    return dict(text_encoder=text, tokenizer=tok, vae=vae, transformer=dit)
+
+
 def _pipeline(family: str, components: dict):
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, QwenImagePipeline, UniPCMultistepScheduler, WanPipeline
 
@@ -172,12 +192,19 @@ def _pipeline(family: str, components: dict):
         return QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**qwen_image.SCHEDULER_CONFIG), **components)
     if family == "flux":
         return FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**flux.DEV_SCHEDULER), **components)
+    if family == "z_image":
+        from diffusers import ZImagePipeline
+
+        from diffsynth_core.models import z_image
+
+        return ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**z_image.SCHEDULER_CONFIG), **components)
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                         num_train_timesteps=1000, flow_shift=3.0)
     return WanPipeline(scheduler=scheduler, **components)
 
 
-_BUILDERS = {"qwen_image": _qwen_components, "flux": _flux_components, "wan": _wan_components}
+_BUILDERS = {"qwen_image": _qwen_components, "flux": _flux_components, "wan": _wan_components,
+             "z_image": _z_image_components}
 
 
 # --- the DiffSynth layout -----------------------------------------------------------------------------
@@ -200,7 +227,15 @@ def _weights(folder: Path) -> dict:
 
 def _write_diffsynth_layout(family: str, reference: Path, root: Path) -> None:
     base = root / MODEL_IDS[family]
-    if family == "qwen_image":  # diffusers subfolders, weights only (DiffSynth's patterns leave config.json out)
+    if family == "z_image":  # as qwen_image; Z-Image.sh's transformer comes from the base model's folder
+        _save_shards(_weights(reference / "transformer"), base / "transformer", "diffusion_pytorch_model", 2)
+        _save_shards(_weights(reference / "transformer"), root / Z_IMAGE_BASE_ID / "transformer",
+                     "diffusion_pytorch_model", 2)
+        _save_shards(_weights(reference / "text_encoder"), base / "text_encoder", "model", 2)
+        (base / "vae").mkdir(parents=True)
+        shutil.copy(reference / "vae" / "diffusion_pytorch_model.safetensors", base / "vae")
+        shutil.copytree(reference / "tokenizer", base / "tokenizer")
+    elif family == "qwen_image":  # diffusers subfolders, weights only (DiffSynth's patterns leave config.json out)
         _save_shards(_weights(reference / "transformer"), base / "transformer", "diffusion_pytorch_model", 2)
         _save_shards(_weights(reference / "text_encoder"), base / "text_encoder", "model", 1)
         (base / "vae").mkdir(parents=True)

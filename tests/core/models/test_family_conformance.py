@@ -8,6 +8,7 @@ reproduces the trained transformer's output exactly.
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
@@ -164,8 +165,9 @@ def test_dit_forward_matches_the_pipelines_transformer_call(case, spec, tiny_dir
     pipe = _pipeline(spec, tiny_dir)
     seen = {}
 
-    def first_call(module, args, kwargs, out):
-        seen.setdefault("call", (kwargs, out[0]))  # returns None: the output is left alone
+    def first_call(module, args, kwargs, out):  # arguments by name, however the pipeline passed them
+        named = inspect.signature(module.forward).bind(*args, **kwargs).arguments
+        seen.setdefault("call", (named, out[0]))  # returns None: the output is left alone
 
     pipe.transformer.register_forward_hook(first_call, with_kwargs=True)
     with case.pipeline_context():

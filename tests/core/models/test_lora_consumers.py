@@ -49,7 +49,7 @@ def _merged(base: dict[str, torch.Tensor], peft_sd: dict[str, torch.Tensor]) -> 
     return out
 
 
-@pytest.fixture(scope="module", params=["qwen_image", "qwen_image:edit", "qwen_image:edit-2509", "flux", "wan"])
+@pytest.fixture(scope="module", params=["qwen_image", "qwen_image:edit", "qwen_image:edit-2509", "flux", "wan", "z_image"])
 def exported(request, tmp_path_factory):
     spec = get_family(*request.param.split(":"))  # family[:variant]: the edit DiTs share Qwen-Image's names
     model, config = _lora_model(spec)
@@ -139,6 +139,36 @@ def comfy_flux_to_diffusers(depth, depth_single, hidden, prefix="diffusion_model
     return key_map
 
 
+def comfy_z_image_to_diffusers(n_layers, n_refiners, hidden, prefix="diffusion_model."):
+    """comfy/utils.py ``z_image_to_diffusers`` (what comfy/lora.py's Lumina2 branch maps LoRA keys through):
+    diffusers key -> native key, or (native key, (dim, start, len)) for q/k/v in the fused ``attention.qkv``.
+    Weight keys of Linear layers (the ones LoRA can target)."""
+    key_map = {}
+
+    def block(src, dst):
+        for j, name in enumerate(("to_q", "to_k", "to_v")):
+            key_map[f"{src}.attention.{name}.weight"] = (f"{dst}.attention.qkv.weight", (0, hidden * j, hidden))
+        for d, n in {"attention.to_out.0": "attention.out", "feed_forward.w1": "feed_forward.w1",
+                     "feed_forward.w2": "feed_forward.w2", "feed_forward.w3": "feed_forward.w3",
+                     "adaLN_modulation.0": "adaLN_modulation.0"}.items():
+            key_map[f"{src}.{d}.weight"] = f"{dst}.{n}.weight"
+
+    for container, count in (("layers", n_layers), ("context_refiner", n_refiners), ("noise_refiner", n_refiners)):
+        for i in range(count):
+            block(f"{container}.{i}", f"{prefix}{container}.{i}")
+    basic = {"all_final_layer.2-1.linear": "final_layer.linear",
+             "all_final_layer.2-1.adaLN_modulation.1": "final_layer.adaLN_modulation.1",
+             "all_x_embedder.2-1": "x_embedder", "cap_embedder.1": "cap_embedder.1",
+             "t_embedder.mlp.0": "t_embedder.mlp.0", "t_embedder.mlp.2": "t_embedder.mlp.2"}
+    for d, n in basic.items():
+        key_map[f"{d}.weight"] = f"{prefix}{n}.weight"
+    return key_map
+
+
+def _z_image_comfy_map(spec_config):
+    return comfy_z_image_to_diffusers(spec_config["n_layers"], spec_config["n_refiner_layers"], spec_config["dim"])
+
+
 def _flux_comfy_map(spec_config):
     return comfy_flux_to_diffusers(spec_config["num_layers"], spec_config["num_single_layers"],
                                    spec_config["num_attention_heads"] * spec_config["attention_head_dim"])
@@ -165,11 +195,14 @@ def comfy_native(family, diffusers_sd, config):
     (comfy/ldm/qwen_image/model.py), Wan uses its native names (comfy/ldm/wan/model.py, the inverse
     of diffusers' convert_wan_transformer_to_diffusers), FLUX the BFL names (flux_to_diffusers)."""
     from diffsynth_core.models.wan import native_name
+    from diffsynth_core.models.z_image_released import diffusers_to_native
 
     if family == "qwen_image":
         return {"diffusion_model." + k: v.clone() for k, v in diffusers_sd.items()}
     if family == "wan":
         return {"diffusion_model." + native_name(k): v.clone() for k, v in diffusers_sd.items()}
+    if family == "z_image":  # Z-Image's original names (comfy/ldm/lumina/model.py), q/k/v fused
+        return {"diffusion_model." + k: v.clone() for k, v in diffusers_to_native(diffusers_sd).items()}
     return _to_native(diffusers_sd, _flux_comfy_map(config))
 
 
@@ -184,6 +217,10 @@ def comfy_lora_keys(family, native_sd, config):
             if family == "qwen_image":  # QwenImage branch
                 key_map[stem] = k
                 key_map["transformer." + stem] = k
+    if family == "z_image":  # Lumina2 branch: diffusers names onto the native layers, q/k/v into qkv
+        for k, to in _z_image_comfy_map(config).items():
+            for form in ("diffusion_model.", "transformer.", ""):
+                key_map[form + k[:-len(".weight")]] = to
     if family == "flux":  # Flux branch: diffusers names onto the fused BFL layers
         for k, to in _flux_comfy_map(config).items():
             if k.endswith(".weight"):
@@ -331,9 +368,9 @@ def diffsynth_flux_names(diffusers_sd):
 
 
 def diffsynth_native(family, diffusers_sd):
-    """The DiT's weights under DiffSynth's names.  Its Qwen-Image DiT loads the diffusers files with
-    no converter (diffsynth/configs/model_configs.py), so the names are the diffusers ones."""
-    if family == "qwen_image":
+    """The DiT's weights under DiffSynth's names.  Its Qwen-Image and Z-Image DiTs load the diffusers files
+    with no converter (diffsynth/configs/model_configs.py), so the names are the diffusers ones."""
+    if family in ("qwen_image", "z_image"):  # z_image: diffsynth/models/z_image_dit.py has diffusers' names
         return {k: v.clone() for k, v in diffusers_sd.items()}
     convert = diffsynth_wan_names if family == "wan" else diffsynth_flux_names
     return {k: v.clone() for k, v in convert(diffusers_sd).items()}
