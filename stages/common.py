@@ -196,8 +196,8 @@ def family_of(cfg: RunConfig) -> FamilySpec:
     if not spec.variants:
         return get_family(cfg.model.family, cfg.model.variant)
     variant = cfg.model.variant
-    if variant is None and spec.variant_of is not None and cfg.model.path:
-        variant = spec.variant_of(Path(cfg.model.path))
+    if variant is None and spec.variant_of is not None:  # no folder (files as released): None
+        variant = spec.variant_of(Path(cfg.model.path) if cfg.model.path else None)
     if variant is None:
         choices = ", ".join(sorted(spec.variants))
         raise InputError(f"model.variant: the files of {cfg.model.path or 'model.path'} do not tell which "

@@ -179,6 +179,6 @@ class FamilySpec:
     # variant name -> the FamilySpec fields it replaces; ``variant`` names the one applied.
     variants: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     variant: str | None = None
-    # variant_of(model_path) -> the variant the files are, or None where they cannot tell
+    # variant_of(model_path or None: no folder) -> the variant the files are, or None where they cannot tell
     variant_of: Callable[[Path], str | None] | None = None
     experts: tuple[Expert, ...] = ()

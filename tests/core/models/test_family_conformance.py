@@ -34,7 +34,7 @@ def case(request):
 
 @pytest.fixture(scope="module")
 def spec(case):
-    return get_family(case.family)
+    return get_family(case.family, case.variant)
 
 
 @pytest.fixture(scope="module")
