@@ -234,6 +234,18 @@ class TrainSection(_Section):
     compile_blocks: bool = False
     # A step whose loss or gradients are NaN/Inf is skipped (no update); this many in a row stop the run.
     max_nonfinite_steps: int = Field(3, ge=1)
+    # Two-expert models (Wan2.2 A14B, docs/training.md "Experts"): the experts this run trains by
+    # component (None: those sigma_range reaches, both by default), and the sigmas drawn.
+    experts: list[str] | None = None
+    sigma_range: tuple[float, float] = (0.0, 1.0)
+
+    @field_validator("sigma_range")
+    @classmethod
+    def _sigma_range_is_ordered(cls, value: tuple[float, float]) -> tuple[float, float]:
+        low, high = value
+        if not 0.0 <= low < high <= 1.0:
+            raise ValueError(f"[{low}, {high}] must satisfy 0 <= min < max <= 1 (sigma 1 is pure noise)")
+        return value
 
     @field_validator("device")
     @classmethod

@@ -86,6 +86,8 @@ class Expert:
     component: str
     sigma_min: float
     sigma_max: float
+    # What its LoRA files are called (``lora_<label>.safetensors``); empty: the component's name.
+    label: str = ""
 
 
 @dataclass(frozen=True)

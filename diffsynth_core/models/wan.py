@@ -333,7 +333,7 @@ DIFFSYNTH_CACHE_FIELDS = {"input_latents": "latents", "context": "prompt_embeds"
 def _experts(boundary: float) -> tuple[Expert, ...]:
     """The A14B experts in routing order: ``transformer`` serves sigma >= boundary (diffusers' ``t >=
     boundary_ratio * 1000``), ``transformer_2`` the rest."""
-    return (Expert("transformer", boundary, 1.0), Expert("transformer_2", 0.0, boundary))
+    return (Expert("transformer", boundary, 1.0, "high_noise"), Expert("transformer_2", 0.0, boundary, "low_noise"))
 
 
 _TI2V_SCALE = 16  # the Wan2.2 VAE

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import InputError
 
 # Wan2.2 VAE normalisation (z - mean) / std, per latent channel.
 LATENTS_MEAN_48 = [
@@ -68,15 +67,3 @@ def variant_of(path: Path | None) -> str | None:
     experts = raw.get("transformer_2", [None])[0] is not None and raw.get("boundary_ratio") is not None
     key = (raw.get("_class_name"), experts, bool(raw.get("expand_timesteps")))
     return _VARIANT_OF_INDEX.get(key)
-
-
-def boundary_ratio(path: Path | None, variant: str) -> float:
-    """The A14B expert boundary: the folder's ``boundary_ratio``, else the release's; outside (0, 1) refused."""
-    index = Path(path) / "model_index.json" if path else None
-    ratio = BOUNDARY_RATIO[variant]
-    if index is not None and index.is_file():
-        ratio = json.loads(index.read_text()).get("boundary_ratio", ratio)
-    if not isinstance(ratio, (int, float)) or not 0 < ratio < 1:
-        raise InputError(f"{index}: boundary_ratio = {ratio!r} must lie strictly between 0 and 1 "
-                         "(the fraction of the 1000 timesteps where the low-noise expert takes over)")
-    return float(ratio)

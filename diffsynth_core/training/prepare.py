@@ -29,6 +29,7 @@ from torch import nn
 from ..models.base import FamilySpec
 from . import optimizers
 from .adapter_inputs import keep_adapter_inputs_narrow
+from .experts import block_containers
 from .lora import fuse_lora_file, inject_lora, inject_lora_from_file
 from ..errors import InputError
 
@@ -114,7 +115,7 @@ def _enable_checkpointing(model: nn.Module, spec: FamilySpec, train) -> None:
     except ImportError:  # engine not available: fall back to diffusers' own per-block wrapper
         model.enable_gradient_checkpointing()
         return
-    apply_gradient_checkpointing(model, spec.block_container_names,
+    apply_gradient_checkpointing(model, block_containers(model, spec),
                                  offload_activations=train.gradient_checkpointing_offload)
 
 
@@ -128,7 +129,7 @@ def _place(model: nn.Module, spec: FamilySpec, offload, device: torch.device):
         model, device,
         enable_optimizer_cpu_offload=offload.enable_optimizer_cpu_offload,
         cpu_offload_split_threshold=offload.cpu_offload_split_threshold,
-        block_container_names=spec.block_container_names,
+        block_container_names=block_containers(model, spec),
         granularity=offload.granularity,
         prefetch=offload.prefetch,
         vram_budget_gb=offload.vram_budget_gb,
@@ -156,7 +157,7 @@ def prepare_for_training(model: nn.Module, spec: FamilySpec, train, offload, dev
     if getattr(train, "compile_blocks", False):  # before checkpointing: it wraps the compiled forward
         from .compile import compile_blocks
 
-        compile_blocks(model, spec.block_container_names)
+        compile_blocks(model, block_containers(model, spec))
     _enable_checkpointing(model, spec, train)
     manager = _place(model, spec, offload, device)
     model.train()

@@ -66,7 +66,7 @@ def test_ti2v_dummy_inputs_match_its_dit(ti2v_dir):
 
 def test_a14b_declares_its_two_experts_at_the_folders_boundary(a14b_dir):
     spec = get_family("wan", "t2v-a14b")
-    assert [(e.component, e.sigma_min, e.sigma_max) for e in spec.experts] == [
-        ("transformer", 0.875, 1.0), ("transformer_2", 0.0, 0.875)]
+    assert [(e.component, e.sigma_min, e.sigma_max, e.label) for e in spec.experts] == [
+        ("transformer", 0.875, 1.0, "high_noise"), ("transformer_2", 0.0, 0.875, "low_noise")]
     index = json.loads((a14b_dir / "model_index.json").read_text())
     assert index["boundary_ratio"] == 0.875 and index["transformer_2"][1] == "WanTransformer3DModel"
