@@ -40,11 +40,11 @@ def test_a_mixed_batch_runs_each_sample_through_its_own_expert_in_batch_order():
     assert model.take_ran() == {"transformer", "transformer_2"}
 
 
-def _train(tmp_path, model, samples=None, sigma_range=None, **options):
+def _train(tmp_path, model, samples=None, sigma_range=None, offload=None, **options):
     defaults = dict(lora_rank=4, max_steps=6, save_steps=2, learning_rate=1e-2, seed=5, gradient_checkpointing=True,
                     batch_size=2)
     train = TrainSection(**{**defaults, **options})
-    trainer = Trainer(TWO_EXPERTS, model, samples or mixed_toy_samples(), train, OffloadSection(), tmp_path,
+    trainer = Trainer(TWO_EXPERTS, model, samples or mixed_toy_samples(), train, offload or OffloadSection(), tmp_path,
                       progress=False, sigma_range=sigma_range)
     return trainer.fit()
 
@@ -105,3 +105,26 @@ def test_the_sigma_range_selects_the_experts_it_reaches():
         select_experts(TWO_EXPERTS, ["transformer_3"], None)
     with pytest.raises(InputError, match="leaves no sigma"):
         trained_sigma_range((LOW,), (0.7, 1.0))
+
+
+def test_two_experts_under_the_offload_engine_train_as_without_it(tmp_path):
+    base = _experts(2)
+    plain = lora_of(_train(tmp_path / "plain", copy.deepcopy(base), max_steps=4).model)
+    result = _train(tmp_path / "offload", copy.deepcopy(base), max_steps=4,
+                    offload=OffloadSection(enable_model_cpu_offload=True))
+    streamed = lora_of(result.model)
+    result.offload.detach()
+    assert streamed.keys() == plain.keys() and all(torch.equal(streamed[k], plain[k]) for k in plain)
+
+
+def test_only_the_active_expert_streams(tmp_path):
+    torch.manual_seed(0)
+    model = ExpertModels((HIGH, LOW), {"transformer": ToyDiT(depth=4), "transformer_2": ToyDiT(depth=4)})
+    result = _train(tmp_path, model, max_steps=4, save_steps=0, sigma_range=(0.7, 1.0),
+                    offload=OffloadSection(enable_model_cpu_offload=True))  # 2 slots for 8 blocks
+    manager = result.offload
+    loads = {u.name: sum(manager.unit_loads[u.index].values()) for u in manager.plan.units}
+    manager.detach()
+    high = sum(n for name, n in loads.items() if name.startswith("transformer."))
+    low = sum(n for name, n in loads.items() if name.startswith("transformer_2."))
+    assert high >= 4 * 4 and low <= 1  # the idle expert: at most the first step's guess at what follows
