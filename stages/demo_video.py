@@ -56,3 +56,23 @@ def write_demo_video_dataset(folder: Path, count: int = 6, seed: int = 0) -> Pat
         writer.writerows(rows)
     tmp.replace(metadata)  # last: its presence means the dataset is whole
     return metadata
+
+
+# ``splitflow demo --family NAME`` for the video demos: (model family, its variant).
+VIDEO_DEMOS = {"wan22": ("wan", "t2v-a14b"), "wan22-ti2v": ("wan", "ti2v-5b")}
+
+
+def prepare_video_demo(workdir: Path, name: str, overrides: list[str] = ()):
+    """The drawn clips, the tiny model of demo ``name`` and ``workdir/config.toml`` (unless present)."""
+    from diffsynth_core.models import get_family
+
+    from .demo import demo_config
+
+    family, variant = VIDEO_DEMOS[name]
+    workdir.mkdir(parents=True, exist_ok=True)
+    write_demo_video_dataset(workdir / "dataset")
+    if not (workdir / "model" / "model_index.json").is_file():
+        get_family(family, variant).save_tiny_model(workdir / "model", 0)
+    cfg = demo_config(workdir, family, [f"dataset.num_frames={VIDEO_FRAMES}", "train.max_steps=8",
+                                        "train.save_steps=4", *overrides])
+    return cfg, cfg.save(workdir / "config.toml")

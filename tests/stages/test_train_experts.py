@@ -119,3 +119,14 @@ def test_a_boundary_outside_0_1_is_one_line_with_exit_2(work, tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert "boundary_ratio = 1.5 must lie strictly between 0 and 1" in err and str(model) in err
+
+
+@pytest.mark.parametrize("name, variant", [("wan22", "t2v-a14b"), ("wan22-ti2v", "ti2v-5b")])
+def test_the_wan22_demos_build_their_tiny_model_and_video_dataset(name, variant, tmp_path):
+    from stages.common import family_of
+    from stages.demo import prepare_demo
+
+    cfg, path = prepare_demo(tmp_path, name)
+    assert path.is_file() and cfg.model.family == "wan" and cfg.dataset.num_frames == 5
+    assert family_of(cfg).variant == variant
+    assert (tmp_path / "dataset" / "metadata.csv").read_text().startswith("video,prompt")
