@@ -210,7 +210,9 @@ class TrainSection(_Section):
     lora_checkpoint: str | None = None   # a LoRA whose training continues (its rank, alpha, targets, weights)
     trainable_models: list[str] = []
     gradient_checkpointing: bool = True
-    gradient_checkpointing_offload: bool = False
+    # Checkpointed block inputs in host memory; "auto": on when a GPU budget (offload.vram_budget_gb)
+    # cannot hold them beside the step (training/prepare.py activations_need_host, docs/offload.md).
+    gradient_checkpointing_offload: bool | Literal["auto"] = "auto"
     # "auto": the family's default (DiffSynth's schedule for every built-in family); docs/training.md
     timestep_sampling: Literal["auto", "uniform", "logit_normal", "shift", "resolution_shift", "diffsynth"] = "auto"
     logit_mean: float = Field(0.0, allow_inf_nan=False)

@@ -134,7 +134,8 @@ class Trainer:
 
     # -- public verbs --------------------------------------------------------------------------
     def fit(self) -> TrainResult:
-        prepared = prepare_for_training(self.model, self.spec, self.train, self.offload_opts, self.device)
+        largest = max(latent_shapes(self.samples), key=lambda shape: torch.Size(shape).numel())
+        prepared = prepare_for_training(self.model, self.spec, self.train, self.offload_opts, self.device, largest)
         sampler = self.make_sampler()
         ema = self._make_ema(prepared)
         step = self._resume(prepared, sampler, ema)

@@ -128,3 +128,24 @@ def test_only_the_active_expert_streams(tmp_path):
     high = sum(n for name, n in loads.items() if name.startswith("transformer."))
     low = sum(n for name, n in loads.items() if name.startswith("transformer_2."))
     assert high >= 4 * 4 and low <= 1  # the idle expert: at most the first step's guess at what follows
+
+
+def test_the_budget_keeps_81_frames_of_a_40_block_14b_model_in_host_memory_and_ti2v_on_the_gpu():
+    """What "auto" activation offload chooses at the issue's sizes (no GPU needed: shapes on meta)."""
+    from diffsynth_core.models import get_family
+    from diffsynth_core.training.prepare import activations_need_host, checkpointed_input_bytes
+
+    spec = get_family("wan")
+    cuda, budget = torch.device("cuda"), OffloadSection(enable_model_cpu_offload=True, vram_budget_gb=24)
+    train = TrainSection(lora_rank=32)
+    a14b = spec.build_transformer("Wan2.2-T2V-A14B", torch.bfloat16, "meta")
+    wan_81 = (16, 21, 60, 104)  # 81 frames at 480x832 through the 8x VAE
+    assert checkpointed_input_bytes(a14b, spec, 1, wan_81) == 40 * 21 * 30 * 52 * 5120 * 2  # 13.4 GB
+    assert activations_need_host(train, budget, cuda, a14b, spec, wan_81)
+    ti2v = spec.build_transformer("Wan2.2-TI2V-5B", torch.bfloat16, "meta")
+    assert not activations_need_host(train, budget, cuda, ti2v, spec, (48, 31, 44, 80))  # 121 x 704x1280: 5.0 GB
+    # without a budget, on the CPU, or when the key is set, "auto" decides nothing
+    assert not activations_need_host(train, OffloadSection(enable_model_cpu_offload=True), cuda, a14b, spec, wan_81)
+    assert not activations_need_host(train, budget, torch.device("cpu"), a14b, spec, wan_81)
+    assert not activations_need_host(TrainSection(gradient_checkpointing_offload=False), budget, cuda, a14b, spec,
+                                     wan_81)
