@@ -13,8 +13,9 @@ The VAE's latent statistics are the release's (DiffSynth-Studio diffsynth/models
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from .loading import read_model_index_file
 
 
 # Wan2.2 VAE normalisation (z - mean) / std, per latent channel.
@@ -63,7 +64,9 @@ def variant_of(path: Path | None) -> str | None:
     index = Path(path) / "model_index.json" if path else None
     if index is None or not index.is_file():
         return "t2v"
-    raw = json.loads(index.read_text())
+    raw = read_model_index_file(Path(path))  # unreadable: one line naming the file
+    if raw.get("_class_name") not in {pipeline for pipeline, _, _ in _VARIANT_OF_INDEX}:
+        return "t2v"  # another family's folder: loading it names the mismatch (check_model_folder)
     experts = raw.get("transformer_2", [None])[0] is not None and raw.get("boundary_ratio") is not None
     key = (raw.get("_class_name"), experts, bool(raw.get("expand_timesteps")))
     return _VARIANT_OF_INDEX.get(key)
