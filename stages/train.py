@@ -142,12 +142,14 @@ def final_exports(cfg: RunConfig) -> list[Path]:
 def _refuse_what_experts_lack(cfg: RunConfig, experts: tuple[Expert, ...], sigma_range) -> None:
     if cfg.train.lora_checkpoint:
         check_lora_checkpoint(cfg.train.lora_checkpoint, experts, sigma_range)
+    names = ", ".join(e.component for e in experts)
+    if experts and cfg.train.validation_prompts:  # the renderer places the DiT as `transformer` only
+        raise InputError(f"train.validation_prompts: validation images are not rendered for expert runs ({names}) "
+                         "yet; remove them and render with the exported LoRA files (docs/training.md)")
     if len(experts) < 2:
         return
-    names = ", ".join(e.component for e in experts)
     for key, is_set in (("train.lora_rank = 0 (full fine-tuning)", cfg.train.lora_rank <= 0),
                         ("model.transformer_file", bool(cfg.model.transformer_file)),
-                        ("train.validation_prompts", bool(cfg.train.validation_prompts)),
                         ("train.preset_lora_path", bool(cfg.train.preset_lora_path))):
         if is_set:
             raise InputError(f"{key} is not available when a run trains two experts ({names}): train LoRA "

@@ -130,3 +130,15 @@ def test_the_wan22_demos_build_their_tiny_model_and_video_dataset(name, variant,
     assert path.is_file() and cfg.model.family == "wan" and cfg.dataset.num_frames == 5
     assert family_of(cfg).variant == variant
     assert (tmp_path / "dataset" / "metadata.csv").read_text().startswith("video,prompt")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["train.lora_rank=0", "train.trainable_models=['transformer']"], "full fine-tuning) is not available when a run "
+                                                                       "trains two experts"),
+    (["train.validation_prompts=['a red circle']", "train.validation_steps=2"], "not rendered for expert runs"),
+    (["train.experts=['transformer_3']"], "name no expert of wan t2v-a14b"),
+])
+def test_what_expert_runs_lack_is_refused_before_any_work(work, tmp_path, extra, message):
+    with pytest.raises(InputError, match=message.replace("(", "\\(").replace(")", "\\)")):
+        train.run(_config(work, tmp_path, *extra))
+    assert not (tmp_path / "output" / "checkpoints").exists()
