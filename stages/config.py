@@ -138,6 +138,9 @@ class ModelSection(_Section):
     # Components loaded from files as released instead of model.path: {"transformer": [files or
     # folders], "vae": [...], "tokenizer": [folder], ...} (docs/diffsynth.md lists the formats).
     sources: dict[str, list[str]] | None = None
+    # Two experts (Wan2.2 A14B): the sigma where the second takes over; None: the folder's
+    # model_index.json, else the release's (docs/training.md, "Experts").
+    boundary_ratio: float | None = Field(None, gt=0, lt=1)
 
     @model_validator(mode="after")
     def _sources_name_files(self):

@@ -121,7 +121,7 @@ def _ema_name(path: Path) -> str:
 def trained_experts(cfg: RunConfig, spec: FamilySpec) -> tuple[FamilySpec, tuple[Expert, ...], tuple[float, float]]:
     """``(spec, experts, sigma range)`` a run trains: the spec's experts at the folder's boundary, those
     ``train.experts`` (or ``train.sigma_range``) selects, and the sigmas drawn for them."""
-    spec = with_folder_boundary(spec, cfg.model.path)
+    spec = with_folder_boundary(spec, cfg.model.path, cfg.model.boundary_ratio)
     experts = select_experts(spec, cfg.train.experts, cfg.train.sigma_range)
     return spec, experts, trained_sigma_range(experts, cfg.train.sigma_range)
 

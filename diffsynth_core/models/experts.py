@@ -16,12 +16,14 @@ from ..errors import InputError
 from .base import FamilySpec
 
 
-def with_folder_boundary(spec: FamilySpec, path: str | Path | None) -> FamilySpec:
-    """``spec`` with its two experts split at the folder's ``boundary_ratio`` (where it gives one)."""
+def with_folder_boundary(spec: FamilySpec, path: str | Path | None, ratio: float | None = None) -> FamilySpec:
+    """``spec`` with its two experts split at ``ratio`` (``model.boundary_ratio``), else at the folder's
+    ``boundary_ratio`` (where it gives one)."""
     index = Path(path) / "model_index.json" if path else None
-    if len(spec.experts) != 2 or index is None or not index.is_file():
+    if len(spec.experts) != 2:
         return spec
-    ratio = json.loads(index.read_text()).get("boundary_ratio")
+    if ratio is None and index is not None and index.is_file():
+        ratio = json.loads(index.read_text()).get("boundary_ratio")
     if ratio is None:
         return spec
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < 1:
