@@ -1,8 +1,10 @@
 """Wan text-to-video: ``WanPipeline`` components, Wan2.1 (1.3B and 14B) and, as variants, Wan2.2.
 
 Variants (``model.variant``, else told by the folder's ``model_index.json``: ``wan22.variant_of``):
-``t2v`` (Wan2.1, the base), ``ti2v-5b`` (48-channel DiT, Wan2.2 VAE at 16x, one timestep per token)
-and ``t2v-a14b`` (two experts, ``transformer`` above the boundary sigma, ``transformer_2`` below).
+``t2v`` (Wan2.1, the base), ``ti2v-5b`` (48-channel DiT, Wan2.2 VAE at 16x, one timestep per token;
+an optional first frame), ``t2v-a14b`` (two experts, ``transformer`` above the boundary sigma,
+``transformer_2`` below), and the image-to-video ``i2v`` (Wan2.1 I2V 14B, with CLIP) and ``i2v-a14b``
+(models/wan_i2v.py).
 
 Conventions (diffusers 0.42):
 * prompt: UMT5 last hidden state cut at the prompt's true length and zero-padded to
