@@ -27,6 +27,7 @@ import torch
 import functools
 
 from . import encoders, lora_export, single_file, tiny_tokenizers, wan22, wan_i2v, wan_released
+from ..errors import InputError
 from .base import Components, Expert, FamilySpec, ReferenceRule
 from .inputs import check_pixel_batch, check_pixels, prompt_length, t5_xxl_prompt_bytes, token_count
 from .latents import per_channel_normalised_modes
@@ -284,6 +285,9 @@ def dit_forward(transformer: torch.nn.Module, latents: torch.Tensor, sigmas: tor
     hidden, image = latents, None
     first_frame = per_token_timesteps and "ref_latents_0" in cond
     if concatenated_image:
+        if "ref_latents_0" not in cond:
+            raise InputError("Wan image-to-video trains on each clip's first-frame latents (ref_latents_0), which "
+                             "this cache lacks: preprocess the dataset again with its input images")
         hidden, image = wan_i2v.concatenated_inputs(latents, cond), cond.get("image_embeds")
     if per_token_timesteps:
         _, p_h, p_w = transformer.config.patch_size

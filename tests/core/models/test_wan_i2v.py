@@ -90,3 +90,13 @@ def test_ti2v_first_frame_matches_the_pipeline_and_is_not_trained(tmp_path):
     # the given frame: the velocity taking the noisy frame to it, so its loss term has no gradient
     expected = (noisy[:, :, :1] - refs["ref_latents_0"][None]) / sigmas.view(-1, 1, 1, 1, 1)
     assert torch.allclose(ours[:, :, :1], expected, atol=1e-5)
+
+
+def test_i2v_without_first_frame_latents_is_one_line_naming_what_is_missing(tmp_path):
+    from diffsynth_core.errors import InputError
+
+    spec = get_family("wan", "i2v-a14b")
+    dit = spec.load_components(spec.save_tiny_model(tmp_path / "m", 0), ("transformer",), torch.float32,
+                               "cpu")["transformer"]
+    with pytest.raises(InputError, match="first-frame latents \\(ref_latents_0\\), which this cache lacks"):
+        spec.dit_forward(dit, torch.zeros(1, 16, 2, 8, 8), torch.tensor([0.5]), {"prompt_embeds": torch.zeros(1, 4, 32)})
