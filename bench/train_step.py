@@ -7,7 +7,9 @@
 For each mode (``resident``: the DiT on the device; ``offload``: streamed from host memory by the offload
 engine) the model is built and prepared once; then every size x batch size runs ``--warmup`` optimizer
 steps and ``--steps`` timed ones on the same prepared model, so batch sizes are compared side by side in
-one process.  Samples are random tensors shaped like the family's cache entries (``spec.dummy_inputs``),
+one process.  ``--spec-variant t2v-a14b`` (a family variant with experts, e.g. Wan2.2 A14B) builds one DiT
+per expert and trains both in one run, each step routing its samples by sigma (training/experts.py).
+Samples are random tensors shaped like the family's cache entries (``spec.dummy_inputs``),
 so no weights or data are needed.  Prints one JSON object: s/step, s/sample and samples/s per run, and
 each batch size's samples/s relative to batch 1 (``speedup``).  ``--budget-s`` skips a mode, or a size
 after a mode's first, that would start after that many seconds (marked ``"skipped"``); ``--out FILE``
@@ -30,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from diffsynth_core.models import get_family, known_families  # noqa: E402
 from diffsynth_core.training.device import avoid_broken_kernels  # noqa: E402
+from diffsynth_core.training.experts import ExpertModels  # noqa: E402
 from diffsynth_core.training.loop import Trainer  # noqa: E402
 from diffsynth_core.training.prepare import prepare_for_training  # noqa: E402
 from stages.config import OffloadSection, TrainSection  # noqa: E402
@@ -42,7 +45,8 @@ def _ints(text: str) -> list[int]:
 def _samples(spec, model, args, size: int, count: int) -> list[dict]:
     samples = []
     for seed in range(count):
-        latents, cond = spec.dummy_inputs(model.config, batch=1, height=size, width=size,
+        config = model.expert_model(model.experts[0]).config if isinstance(model, ExpertModels) else model.config
+        latents, cond = spec.dummy_inputs(config, batch=1, height=size, width=size,
                                           num_frames=args.frames, text_len=args.text_len, seed=seed)
         samples.append({"latents": latents[0], **{k: v[0] for k, v in cond.items()}})
     return samples
@@ -74,6 +78,9 @@ def _build(spec, args, device: torch.device) -> torch.nn.Module:
     """Random weights are made fastest on the device.  Under offload the engine then copies them into its
     pinned host arena one tensor at a time, freeing each device copy: the same state as weights loaded
     on the host, reached without a detour through pageable memory."""
+    if spec.experts:  # one DiT per expert, each with its own random weights
+        return ExpertModels(spec.experts, {e.component: spec.build_transformer(args.variant, getattr(torch, args.dtype),
+                                                                               str(device)) for e in spec.experts})
     return spec.build_transformer(args.variant, getattr(torch, args.dtype), str(device))
 
 
@@ -143,6 +150,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", action="append", help="repeatable; default: every family")
     parser.add_argument("--variant", default="tiny")
+    parser.add_argument("--spec-variant", help="the family's variant (e.g. wan t2v-a14b: both experts in one run)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--sizes", type=_ints, default=[128], help="square image sizes in pixels, e.g. 512,1024")
@@ -165,7 +173,7 @@ def main() -> None:
     device = avoid_broken_kernels(args.device)
     report = {"train_step": {}, "threads": torch.get_num_threads(), "args": vars(args)}
     for name in args.family or known_families():
-        spec = get_family(name)
+        spec = get_family(name, args.spec_variant)
         frames = args.frames if spec.frame_multiple > 1 else 1
         family_args = argparse.Namespace(**{**vars(args), "frames": frames})
         done: list[dict] = []

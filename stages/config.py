@@ -150,6 +150,9 @@ class ModelSection(_Section):
     sources: dict[str, list[str]] | None = None
     # Qwen-Image-Edit-2511's zero_cond_t (reference tokens at timestep 0): None = the transformer's config.
     zero_cond_t: bool | None = None
+    # Two experts (Wan2.2 A14B): the sigma where the second takes over; None: the folder's
+    # model_index.json, else the release's (docs/training.md, "Experts").
+    boundary_ratio: float | None = Field(None, gt=0, lt=1)
 
     @model_validator(mode="after")
     def _sources_name_files(self):
@@ -222,7 +225,9 @@ class TrainSection(_Section):
     lora_checkpoint: str | None = None   # a LoRA whose training continues (its rank, alpha, targets, weights)
     trainable_models: list[str] = []
     gradient_checkpointing: bool = True
-    gradient_checkpointing_offload: bool = False
+    # Checkpointed block inputs in host memory; "auto": on when a GPU budget (offload.vram_budget_gb)
+    # cannot hold them beside the step (training/prepare.py activations_need_host, docs/offload.md).
+    gradient_checkpointing_offload: bool | Literal["auto"] = "auto"
     # "auto": the family's default (DiffSynth's schedule for every built-in family); docs/training.md
     timestep_sampling: Literal["auto", "uniform", "logit_normal", "shift", "resolution_shift", "diffsynth"] = "auto"
     logit_mean: float = Field(0.0, allow_inf_nan=False)
@@ -246,6 +251,18 @@ class TrainSection(_Section):
     compile_blocks: bool = False
     # A step whose loss or gradients are NaN/Inf is skipped (no update); this many in a row stop the run.
     max_nonfinite_steps: int = Field(3, ge=1)
+    # Two-expert models (Wan2.2 A14B, docs/training.md "Experts"): the experts this run trains by
+    # component (None: those sigma_range reaches, both by default), and the sigmas drawn.
+    experts: list[str] | None = None
+    sigma_range: tuple[float, float] = (0.0, 1.0)
+
+    @field_validator("sigma_range")
+    @classmethod
+    def _sigma_range_is_ordered(cls, value: tuple[float, float]) -> tuple[float, float]:
+        low, high = value
+        if not 0.0 <= low < high <= 1.0:
+            raise ValueError(f"[{low}, {high}] must satisfy 0 <= min < max <= 1 (sigma 1 is pure noise)")
+        return value
 
     @field_validator("device")
     @classmethod

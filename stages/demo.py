@@ -98,6 +98,10 @@ def demo_config(workdir: Path, family: str = "qwen_image", overrides: list[str] 
 
 def prepare_demo(workdir: Path, family: str = "qwen_image", overrides: list[str] = ()) -> tuple[RunConfig, Path]:
     """Write dataset, model and ``workdir/config.toml`` (unless present); return the config and its path."""
+    from .demo_video import VIDEO_DEMOS, prepare_video_demo
+
+    if family in VIDEO_DEMOS:  # drawn clips and a tiny video model (wan22: two experts)
+        return prepare_video_demo(workdir, family, list(overrides))
     workdir.mkdir(parents=True, exist_ok=True)
     write_demo_dataset(workdir / "dataset")
     write_demo_model(workdir / "model", family)

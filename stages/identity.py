@@ -24,16 +24,22 @@ log = logging.getLogger(__name__)
 METADATA_KEY = "base_model"
 
 
-def base_model(cfg: RunConfig, spec: FamilySpec) -> dict:
-    """{"fingerprint", "path"}: what the checkpoint records about the weights it trains on."""
+def base_model(cfg: RunConfig, spec: FamilySpec, experts: tuple[str, ...] = ()) -> dict:
+    """{"fingerprint", "path"}: what the checkpoint records about the weights it trains on
+    (``experts``: the components trained instead of the transformer, each identified)."""
+    fused = cfg.train.preset_lora_path
+    preset = file_digest(_named_file(fused, "train.preset_lora_path")) if fused else None
+    if experts:
+        files = {name: component_digests(cfg, spec, name) for name in experts}
+        content = {"family": spec.name, "experts": files, "preset_lora": preset}
+        label = " + ".join(str(Path(cfg.model.path) / name) for name in experts)
+        return {"fingerprint": fingerprint_of(content), "path": label + (f" + preset LoRA {fused}" if fused else "")}
     if cfg.model.transformer_file:
         path = _named_file(cfg.model.transformer_file, "model.transformer_file")
         files = {path.name: file_digest(path)}
     else:
         path = Path(cfg.model.path) / spec.transformer_component
         files = component_digests(cfg, spec, spec.transformer_component)
-    fused = cfg.train.preset_lora_path
-    preset = file_digest(_named_file(fused, "train.preset_lora_path")) if fused else None
     content = {"family": spec.name, "transformer": files, "preset_lora": preset}
     label = str(path) + (f" + preset LoRA {fused}" if fused else "")
     return {"fingerprint": fingerprint_of(content), "path": label}

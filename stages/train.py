@@ -20,13 +20,15 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from diffsynth_core.models import FamilySpec, check_model_folder
+from diffsynth_core.models import Expert, FamilySpec, check_model_folder
+from diffsynth_core.models.experts import with_folder_boundary
 from diffsynth_core.models.lora_export import DIFFUSERS_FILE
 from diffsynth_core.errors import InputError, naming_the_place
 from diffsynth_core.gradient import activation_offloader
 from diffsynth_core.training.checkpoint import CheckpointManager
 from diffsynth_core.training.device import avoid_broken_kernels, configure_determinism
 from diffsynth_core.training.ema import swapped_weights
+from diffsynth_core.training.experts import SIGMA_RANGE, ExpertModels, select_experts, trained_sigma_range
 from diffsynth_core.training.guards import require_trained_weights
 from diffsynth_core.training import optimizers
 from diffsynth_core.training.batching import latent_shapes
@@ -36,7 +38,7 @@ from diffsynth_core.training.sampler import BucketSampler
 from .common import (family_of, init_distributed, is_main_process, leaving_process_group, load_components, model_dtype,
                      resolve_device)
 from .config import RunConfig
-from .exports import LoraExporter, export_lora
+from .exports import LoraExporter, check_lora_checkpoint, expert_stem, export_lora
 from .identity import METADATA_KEY, base_model, check_resume_base
 from .keys import empty_prompt_key, training_set
 from .locks import output_lock
@@ -126,14 +128,18 @@ def load_empty_prompt(cfg: RunConfig, store, text_fingerprint: str | None = None
     return {k: v for k, v in store.get(key).items() if isinstance(v, torch.Tensor)}
 
 
-def load_transformer(cfg: RunConfig, spec: FamilySpec) -> torch.nn.Module:
+def load_transformer(cfg: RunConfig, spec: FamilySpec, experts: tuple[Expert, ...] = ()) -> torch.nn.Module:
+    """The DiT to train: the family's transformer, the one expert trained, or several (``ExpertModels``)."""
     check_model_folder(spec, cfg.model.path)
     dtype = model_dtype(cfg)
+    if len(experts) > 1:
+        return ExpertModels(experts, load_components(cfg, spec, tuple(e.component for e in experts)))
+    component = experts[0].component if experts else spec.transformer_component
     if cfg.model.transformer_file:
-        config_dir = Path(cfg.model.path) / spec.transformer_component
+        config_dir = Path(cfg.model.path) / component
         transformer = spec.load_transformer_file(Path(cfg.model.transformer_file), config_dir, dtype)
     else:
-        transformer = load_components(cfg, spec, (spec.transformer_component,))[spec.transformer_component]
+        transformer = load_components(cfg, spec, (component,))[component]
     for key, apply in spec.transformer_options.items():  # e.g. model.zero_cond_t over the files' own
         if getattr(cfg.model, key, None) is not None:
             transformer = apply(transformer, getattr(cfg.model, key))
@@ -148,16 +154,49 @@ def _ema_name(path: Path) -> str:
     return f"{path.stem}_ema{path.suffix}"
 
 
+def trained_experts(cfg: RunConfig, spec: FamilySpec) -> tuple[FamilySpec, tuple[Expert, ...], tuple[float, float]]:
+    """``(spec, experts, sigma range)`` a run trains: the spec's experts at the folder's boundary, those
+    ``train.experts`` (or ``train.sigma_range``) selects, and the sigmas drawn for them."""
+    spec = with_folder_boundary(spec, cfg.model.path, cfg.model.boundary_ratio)
+    experts = select_experts(spec, cfg.train.experts, cfg.train.sigma_range)
+    return spec, experts, trained_sigma_range(experts, cfg.train.sigma_range)
+
+
 def final_exports(cfg: RunConfig) -> list[Path]:
-    """The files the end of a run writes, its last act: the diffusers LoRA (or the full DiT), and its EMA twin."""
-    name = DIFFUSERS_FILE if cfg.train.lora_rank > 0 else _full_name(family_of(cfg))
-    files = [cfg.output_dir / name]
-    return files + ([cfg.output_dir / _ema_name(files[0])] if cfg.train.ema_decay else [])
+    """The files the end of a run writes, its last act: the diffusers LoRA (one per expert; or the full
+    DiT), and its EMA twin."""
+    _, experts, _ = trained_experts(cfg, family_of(cfg))
+    if cfg.train.lora_rank <= 0:
+        files = [cfg.output_dir / _full_name(family_of(cfg))]
+    elif experts:
+        files = [cfg.output_dir / f"{expert_stem(Path(DIFFUSERS_FILE).stem, e)}.safetensors" for e in experts]
+    else:
+        files = [cfg.output_dir / DIFFUSERS_FILE]
+    return files + ([cfg.output_dir / _ema_name(f) for f in files] if cfg.train.ema_decay else [])
 
 
-def _export(spec: FamilySpec, result, output: Path, learning_rate: float) -> dict[str, str]:
+def _refuse_what_experts_lack(cfg: RunConfig, experts: tuple[Expert, ...], sigma_range) -> None:
+    if cfg.train.lora_checkpoint:
+        check_lora_checkpoint(cfg.train.lora_checkpoint, experts, sigma_range)
+    names = ", ".join(e.component for e in experts)
+    if experts and cfg.train.validation_prompts:  # the renderer places the DiT as `transformer` only
+        raise InputError(f"train.validation_prompts: validation images are not rendered for expert runs ({names}) "
+                         "yet; remove them and render with the exported LoRA files (docs/training.md)")
+    if len(experts) < 2:
+        return
+    for key, is_set in (("train.lora_rank = 0 (full fine-tuning)", cfg.train.lora_rank <= 0),
+                        ("model.transformer_file", bool(cfg.model.transformer_file)),
+                        ("train.preset_lora_path", bool(cfg.train.preset_lora_path))):
+        if is_set:
+            raise InputError(f"{key} is not available when a run trains two experts ({names}): train LoRA "
+                             "without it, or one expert per run (train.experts = [\"...\"])")
+
+
+def _export(spec: FamilySpec, result, output: Path, learning_rate: float, experts: tuple[Expert, ...] = (),
+            sigma_range=SIGMA_RANGE) -> dict[str, str]:
     if result.lora_config is not None:
-        return export_lora(spec, result.model, result.lora_config, output, learning_rate=learning_rate)
+        return export_lora(spec, result.model, result.lora_config, output, experts=experts, sigma_range=sigma_range,
+                           learning_rate=learning_rate)
     weights = {k: v.detach().cpu().contiguous() for k, v in result.model.state_dict().items()}
     require_trained_weights(weights, f"export to {output}", learning_rate)
     path = output / _full_name(spec)
@@ -165,12 +204,13 @@ def _export(spec: FamilySpec, result, output: Path, learning_rate: float) -> dic
     return {"full": str(path)}
 
 
-def _export_ema(spec: FamilySpec, result, output: Path, learning_rate: float) -> dict[str, str]:
+def _export_ema(spec: FamilySpec, result, output: Path, learning_rate: float, experts: tuple[Expert, ...] = (),
+                sigma_range=SIGMA_RANGE) -> dict[str, str]:
     """The EMA weights in the same formats, beside the raw files: ``lora.safetensors`` -> ``lora_ema.safetensors``."""
     staging = output / ".ema-export"
     shutil.rmtree(staging, ignore_errors=True)
     with swapped_weights(result.model, result.ema):
-        written = _export(spec, result, staging, learning_rate)
+        written = _export(spec, result, staging, learning_rate, experts, sigma_range)
     exports = {}
     for kind, path in written.items():
         final = output / _ema_name(Path(path))
@@ -187,7 +227,8 @@ def run(cfg: RunConfig) -> TrainSummary:
 
 def _train(cfg: RunConfig) -> TrainSummary:
     started = time.perf_counter()
-    spec = family_of(cfg)
+    spec, experts, sigma_range = trained_experts(cfg, family_of(cfg))
+    _refuse_what_experts_lack(cfg, experts, sigma_range)
     if cfg.model.path:  # a folder of another family is named as such, before the cache (made by it) is blamed
         check_model_folder(spec, cfg.model.path)
     checkpoints = CheckpointManager(cfg.output_dir / "checkpoints")
@@ -204,14 +245,14 @@ def _train(cfg: RunConfig) -> TrainSummary:
     if is_main_process():
         output.mkdir(parents=True, exist_ok=True)
         cfg.save(output / "config.toml")
-        base = base_model(cfg, spec)
+        base = base_model(cfg, spec, () if cfg.model.transformer_file else tuple(e.component for e in experts))
         check_resume_base(checkpoints, base)
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         check_resume(cfg, checkpoints.latest_metadata(), str(checkpoints.latest_dir()),
                      planned_total(cfg, store, keys, 0, world, found.latents), keys)
-    transformer = load_transformer(cfg, spec)
+    transformer = load_transformer(cfg, spec, experts)
     samples = CachedSamples(store, keys, found.latents)
-    callbacks = [LoraExporter(spec, output, cfg.output.export_every, cfg.output.diffsynth_files)]
+    callbacks = [LoraExporter(spec, output, cfg.output.export_every, experts, sigma_range, cfg.output.diffsynth_files)]
     if cfg.train.validation_prompts and keys:  # render at the size of the first training sample
         meta = samples[0]["meta"]
         callbacks.append(ValidationRenderer(cfg, spec, (meta["height"], meta["width"]), meta.get("num_frames", 1),
@@ -220,7 +261,7 @@ def _train(cfg: RunConfig) -> TrainSummary:
                       device=device, repeat=cfg.dataset.repeat, callbacks=callbacks,
                       checkpoint_metadata={METADATA_KEY: base, SETTINGS_KEY: settings(cfg),
                                            SAMPLES_KEY: sample_record(keys)} if base else None,
-                      empty_prompt=empty_prompt)
+                      empty_prompt=empty_prompt, sigma_range=None if sigma_range == SIGMA_RANGE else sigma_range)
     result = trainer.fit()
     report = result.offload.report() if result.offload is not None else {}  # planned vs measured bytes, GPU peak
     if result.host_state is not None:
@@ -237,9 +278,9 @@ def _train(cfg: RunConfig) -> TrainSummary:
         result.offload.detach()  # full fine-tuning exports every weight: back in place, no second copy
     rate = cfg.train.learning_rate
     with naming_the_place("writing the final export in", str(output)):  # a full disk names the folder
-        exports = _export(spec, result, output, rate) if trainer.rank == 0 else {}
+        exports = _export(spec, result, output, rate, experts, sigma_range) if trainer.rank == 0 else {}
         if trainer.rank == 0 and result.ema is not None:
-            exports.update(_export_ema(spec, result, output, rate))
+            exports.update(_export_ema(spec, result, output, rate, experts, sigma_range))
     if result.offload is not None and result.lora_config is not None:
         # The adapters were read with the engine attached: release the frozen base, never restore it
         # (restoring would hold a second host copy of the DiT at the very end of the run).

@@ -86,6 +86,8 @@ class Expert:
     component: str
     sigma_min: float
     sigma_max: float
+    # What its LoRA files are called (``lora_<label>.safetensors``); empty: the component's name.
+    label: str = ""
 
 
 @dataclass(frozen=True)
@@ -179,7 +181,7 @@ class FamilySpec:
     # variant name -> the FamilySpec fields it replaces; ``variant`` names the one applied.
     variants: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     variant: str | None = None
-    # variant_of(model_path) -> the variant the files are, or None where they cannot tell
+    # variant_of(model_path or None: no folder) -> the variant the files are, or None where they cannot tell
     variant_of: Callable[[Path], str | None] | None = None
     experts: tuple[Expert, ...] = ()
     # ``model.<key>`` settings the family applies to its loaded transformer, key -> apply(transformer,

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -153,3 +154,9 @@ def _diffsynth_lora_names() -> dict[str, tuple[str, ...]]:
 
 
 DIFFSYNTH_LORA_NAMES = _diffsynth_lora_names()
+
+# Wan2.2 A14B's second expert (``transformer_2``, the low-noise DiT) is stored as the first is; listed
+# last, so files recognised without a component name stay ``transformer`` (DiffSynth's one-expert runs).
+FORMATS = FORMATS + tuple(dataclasses.replace(fmt, component="transformer_2", description=fmt.description +
+                                              " as Wan2.2's low-noise expert")
+                          for fmt in FORMATS if fmt.component == "transformer")

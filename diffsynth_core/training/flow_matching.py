@@ -83,8 +83,16 @@ def _nearest_grid_index(sigmas: torch.Tensor, grid: torch.Tensor) -> torch.Tenso
 
 def sample_sigmas(n: int, scheme: str, generator: torch.Generator, *, logit_mean: float = 0.0,
                   logit_std: float = 1.0, shift: float = 3.0, num_tokens: int | None = None,
-                  template: str | None = None) -> torch.Tensor:
-    """Draw ``n`` sigmas in (0, 1] as float32 on the generator's device."""
+                  template: str | None = None, sigma_range: tuple[float, float] | None = None) -> torch.Tensor:
+    """Draw ``n`` sigmas in (0, 1] as float32 on the generator's device.
+
+    ``sigma_range = (low, high)``: the scheme's distribution cut to ``[low, high]`` (one expert of
+    several, DiffSynth's timestep boundaries), drawn by inverting its CDF from a uniform draw on the
+    cut's quantiles (one draw per sigma, as uncut); ``diffsynth`` draws among the grid points inside.
+    """
+    if sigma_range is not None and tuple(sigma_range) != (0.0, 1.0):
+        return _sample_in_range(n, scheme, generator, tuple(sigma_range), logit_mean=logit_mean,
+                                logit_std=logit_std, shift=_scheme_shift(scheme, shift, num_tokens), template=template)
     if scheme == "uniform":
         return torch.rand(n, generator=generator, dtype=torch.float32)
     if scheme == "logit_normal":
@@ -101,6 +109,48 @@ def sample_sigmas(n: int, scheme: str, generator: torch.Generator, *, logit_mean
         grid = diffsynth_sigmas(_need_template(template, "timestep sampling"))
         return grid[torch.randint(len(grid), (n,), generator=generator)]
     raise ValueError(f"unknown timestep sampling {scheme!r}; choose one of {', '.join(SAMPLING_SCHEMES)}")
+
+
+def _scheme_shift(scheme: str, shift: float, num_tokens: int | None) -> float:
+    if scheme == "resolution_shift":
+        if num_tokens is None:
+            raise ValueError("timestep sampling 'resolution_shift' needs num_tokens")
+        return resolution_shift(num_tokens)
+    return shift
+
+
+def unshift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
+    """The inverse of :func:`shift_sigmas`."""
+    return sigmas / (shift - (shift - 1.0) * sigmas)
+
+
+def _sample_in_range(n: int, scheme: str, generator: torch.Generator, sigma_range: tuple[float, float], *,
+                     logit_mean: float, logit_std: float, shift: float, template: str | None) -> torch.Tensor:
+    low, high = (float(v) for v in sigma_range)
+    if scheme == "diffsynth":
+        grid = diffsynth_sigmas(_need_template(template, "timestep sampling"))
+        inside = ((grid >= low) & (grid <= high)).nonzero().flatten()
+        if len(inside) == 0:
+            raise ValueError(f"no point of DiffSynth's {template} schedule lies in sigma range [{low}, {high}]")
+        return grid[inside[torch.randint(len(inside), (n,), generator=generator)]]
+    bounds = torch.tensor([low, high], dtype=torch.float64)
+    if scheme == "uniform":
+        quantiles = bounds
+    elif scheme in ("shift", "resolution_shift"):
+        quantiles = unshift_sigmas(bounds, shift)
+    elif scheme == "logit_normal":
+        logits = torch.logit(bounds.clamp(1e-12, 1 - 1e-12))
+        quantiles = torch.special.ndtr((logits - logit_mean) / logit_std)
+    else:
+        raise ValueError(f"unknown timestep sampling {scheme!r}; choose one of {', '.join(SAMPLING_SCHEMES)}")
+    u = quantiles[0] + (quantiles[1] - quantiles[0]) * torch.rand(n, generator=generator, dtype=torch.float64)
+    if scheme == "uniform":
+        sigmas = u
+    elif scheme == "logit_normal":
+        sigmas = torch.sigmoid(logit_mean + logit_std * torch.special.ndtri(u))
+    else:
+        sigmas = shift * u / (1.0 + (shift - 1.0) * u)
+    return sigmas.clamp(low, high).float()
 
 
 def loss_weight(sigmas: torch.Tensor, scheme: str, template: str | None = None) -> torch.Tensor:

@@ -25,6 +25,7 @@ from .batching import latent_shapes, stack_entries, to_device, with_empty_prompt
 from .checkpoint import CheckpointManager
 from .collector import frozen_heap
 from .ema import EmaWeights
+from .experts import drop_idle_gradients, experts_that_ran, predict
 from .flow_matching import flow_matching_loss, loss_weight, noisy_latents, sample_sigmas, velocity_target
 from .guards import GradientCoverage, NonFiniteGuard, exclude_from_optimizer, grad_norm
 from .metrics import MetricsLog
@@ -101,7 +102,8 @@ class Trainer:
                  output_dir: Path | str, device: torch.device | str = "cpu", repeat: int = 1, progress: bool = True,
                  callbacks: Sequence[Callable[[int, nn.Module], None]] = (),
                  checkpoint_metadata: Mapping[str, Any] | None = None,
-                 empty_prompt: Mapping[str, torch.Tensor] | None = None):
+                 empty_prompt: Mapping[str, torch.Tensor] | None = None,
+                 sigma_range: tuple[float, float] | None = None):
         self.spec, self.model, self.samples = spec, model, samples
         self.train, self.offload_opts = train, offload
         self.output_dir, self.device = Path(output_dir), torch.device(device)
@@ -120,14 +122,20 @@ class Trainer:
             raise InputError("train.caption_dropout > 0 needs the empty prompt's embedding from the cache; "
                              "run preprocess again (it encodes only that)")
         self.empty_prompt = empty_prompt
+        # The sigmas drawn (None: all of (0, 1]); one expert of several trains only its own (experts.py).
+        self.sigma_range = sigma_range
         self.nonfinite = NonFiniteGuard(getattr(train, "max_nonfinite_steps", 3), train.learning_rate)
         self.no_gradient: list[str] | None = None  # trainable names that get no gradient; None: not known yet
+        # Watches gradients until every expert has had a step (an idle expert's LoRA is not unused).
+        self._coverage: GradientCoverage | None = None
+        self._experts_seen: set[str] = set()
         self.next_batch = NextBatch(self._host_batch)  # read while the GPU computes the round before
         self._dtype_of: tuple[nn.Module, torch.dtype] | None = None  # see _input_dtype
 
     # -- public verbs --------------------------------------------------------------------------
     def fit(self) -> TrainResult:
-        prepared = prepare_for_training(self.model, self.spec, self.train, self.offload_opts, self.device)
+        largest = max(latent_shapes(self.samples), key=lambda shape: torch.Size(shape).numel())
+        prepared = prepare_for_training(self.model, self.spec, self.train, self.offload_opts, self.device, largest)
         sampler = self.make_sampler()
         ema = self._make_ema(prepared)
         step = self._resume(prepared, sampler, ema)
@@ -183,7 +191,7 @@ class Trainer:
         """One optimizer step over ``gradient_accumulation_steps`` rounds; ``step`` (1-based) names it in messages.
         ``prefetch``: a step follows, so its first batch is read while this one's last round computes."""
         accumulation = self.train.gradient_accumulation_steps
-        coverage = GradientCoverage(prepared.trainable) if self.no_gradient is None else None
+        coverage = self._coverage or (GradientCoverage(prepared.trainable) if self.no_gradient is None else None)
         total_loss, batches = 0.0, []
         for i in range(accumulation):
             round_ = sampler.next_round()
@@ -195,13 +203,20 @@ class Trainer:
                 self.next_batch.prepare_ahead(sampler.peek_round()[self.rank])
             total_loss += loss.item()
             batches.extend(round_)
-        if coverage is not None:  # first step of this run: leave out what can never learn
-            self._exclude(prepared, coverage.finish(self.device))
+        ran = experts_that_ran(prepared.model, self.device)  # None: one transformer
+        self._experts_seen |= ran or set()
+        if coverage is not None:  # first step (every expert's first): leave out what can never learn
+            self._coverage = coverage if ran is not None and not _all_experts(prepared.model, self._experts_seen) \
+                else None
+            if self._coverage is None:
+                self._exclude(prepared, coverage.finish(self.device))
         params = list(prepared.trainable.values())
         if prepared.offload is not None:
             prepared.offload.after_backward()  # also all-reduces across ranks
         elif self.world_size > 1:
             _all_reduce_mean(params)
+        if ran is not None:  # an expert no rank ran keeps its LoRA and moments as they are
+            drop_idle_gradients(prepared.model, ran)
         if prepared.steps_in_backward is not None:
             self._stepped_in_backward(prepared, step, total_loss)
         else:
@@ -237,7 +252,7 @@ class Trainer:
         x0 = inputs.pop("latents")
         noise = host.noise.to(self.device, non_blocking=pinned).to(x0.dtype)  # cast on the device, as inputs are
         sigmas = host.sigmas.to(self.device, non_blocking=pinned)
-        prediction = self.spec.dit_forward(model, noisy_latents(x0, noise, sigmas), sigmas, inputs)
+        prediction = predict(self.spec.dit_forward, model, noisy_latents(x0, noise, sigmas), sigmas, inputs)
         weights = loss_weight(sigmas, self.schedule.weighting, self.schedule.template)
         return flow_matching_loss(prediction, velocity_target(x0, noise), weights)
 
@@ -263,7 +278,8 @@ class Trainer:
         noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32)
         sigma = sample_sigmas(1, self.schedule.sampling, generator, logit_mean=self.train.logit_mean,
                               logit_std=self.train.logit_std, shift=self.train.shift,
-                              num_tokens=latents[0].numel() // 4, template=self.schedule.template)
+                              num_tokens=latents[0].numel() // 4, template=self.schedule.template,
+                              sigma_range=self.sigma_range)
         if self.train.caption_dropout > 0 and torch.rand(1, generator=generator).item() < self.train.caption_dropout:
             entry = with_empty_prompt(entry, self.empty_prompt)
         return entry, noise, sigma
@@ -291,7 +307,7 @@ class Trainer:
         if ema is not None:
             optimizer_state["ema"] = ema.state_dict()
         metadata = {**self.checkpoint_metadata, "lora_config": prepared.lora_config, "family": self.spec.name,
-                    "step": step, "no_gradient": self.no_gradient or []}
+                    "step": step, "no_gradient": self.no_gradient}  # None: not known yet (an expert never ran)
         path = self.checkpoints.save(step, dict(prepared.trainable), optimizer_state, state, metadata)
         log.info("checkpoint written: %s", path)
 
@@ -307,7 +323,7 @@ class Trainer:
         with torch.no_grad():
             for name, param in prepared.trainable.items():
                 param.copy_(saved[name])
-        if "no_gradient" in checkpoint["metadata"]:  # older checkpoints: found again at the first step
+        if checkpoint["metadata"].get("no_gradient") is not None:  # else found again at the first step
             self._exclude(prepared, checkpoint["metadata"]["no_gradient"])
         _load_optimizer_keeping_settings(prepared, checkpoint["optimizer"])
         self._resume_ema(ema, prepared, checkpoint)
@@ -382,6 +398,10 @@ def _load_optimizer_keeping_settings(prepared: Prepared, saved: Mapping[str, Any
     for group, base_lr, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
         group["lr"] = base_lr * factor(scheduler.last_epoch)
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+def _all_experts(model: nn.Module, seen: set[str]) -> bool:
+    return all(expert.component in seen for expert in model.experts)
 
 
 def _epochs_completed(sampler: BucketSampler) -> int:

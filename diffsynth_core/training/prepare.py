@@ -29,6 +29,7 @@ from torch import nn
 from ..models.base import FamilySpec
 from . import optimizers
 from .adapter_inputs import keep_adapter_inputs_narrow
+from .experts import ExpertModels, block_containers
 from .lora import fuse_lora_file, inject_lora, inject_lora_from_file
 from ..errors import InputError
 
@@ -106,7 +107,50 @@ def _choose_trainable(model: nn.Module, spec: FamilySpec, train) -> dict[str, An
     return inject_lora(model, targets, train.lora_rank, train.lora_alpha, train.lora_init)
 
 
-def _enable_checkpointing(model: nn.Module, spec: FamilySpec, train) -> None:
+# Under a budget the checkpointed block inputs may take at most this share of it: the rest holds the
+# streaming slots, the resident blocks the planner keeps and the recompute of one block.
+ACTIVATION_SHARE_OF_BUDGET = 0.5
+
+
+def checkpointed_input_bytes(model: nn.Module, spec: FamilySpec, batch: int, latent_shape) -> int:
+    """Bytes the blocks' checkpointed inputs take in one step: every block keeps its input, ``tokens x
+    width`` in the model's dtype, tokens as the loop counts them (latent elements per channel / 4: 2x2
+    patches in every built-in family)."""
+    from ..offload.units import find_blocks
+
+    blocks = find_blocks(model, block_containers(model, spec))
+    if isinstance(model, ExpertModels):  # one expert's blocks run in a step (video batches of one)
+        blocks = blocks[: len(blocks) // len(model.experts)]
+    if not blocks:
+        return 0
+    first = next(m for m in blocks[0].modules() if isinstance(m, nn.Linear))
+    tokens = 1
+    for d in latent_shape[1:]:
+        tokens *= int(d)
+    weight = getattr(first, "base_layer", first).weight
+    return len(blocks) * batch * (tokens // 4) * first.in_features * weight.element_size()
+
+
+def activations_need_host(train, offload, device: torch.device, model: nn.Module, spec: FamilySpec,
+                          latent_shape=None) -> bool:
+    """``train.gradient_checkpointing_offload``, "auto" resolved: on when a GPU budget is set and the
+    checkpointed inputs of the largest batch would take more than ``ACTIVATION_SHARE_OF_BUDGET`` of it."""
+    choice = getattr(train, "gradient_checkpointing_offload", False)
+    if choice != "auto":
+        return bool(choice)
+    budget = getattr(offload, "vram_budget_gb", 0) if offload.enable_model_cpu_offload else 0
+    if device.type != "cuda" or not budget or latent_shape is None:
+        return False
+    if budget == "auto":
+        budget = torch.cuda.mem_get_info(device)[0] * 0.95 / 2**30
+    needed = checkpointed_input_bytes(model, spec, train.batch_size, latent_shape)
+    chosen = needed > ACTIVATION_SHARE_OF_BUDGET * float(budget) * 2**30
+    log.info("checkpointed block inputs: %.2f GiB a step against a %.1f GiB budget: %s", needed / 2**30,
+             float(budget), "kept in host memory" if chosen else "kept on the GPU")
+    return chosen
+
+
+def _enable_checkpointing(model: nn.Module, spec: FamilySpec, train, offload_activations: bool) -> None:
     if not train.gradient_checkpointing:
         return
     try:
@@ -114,8 +158,7 @@ def _enable_checkpointing(model: nn.Module, spec: FamilySpec, train) -> None:
     except ImportError:  # engine not available: fall back to diffusers' own per-block wrapper
         model.enable_gradient_checkpointing()
         return
-    apply_gradient_checkpointing(model, spec.block_container_names,
-                                 offload_activations=train.gradient_checkpointing_offload)
+    apply_gradient_checkpointing(model, block_containers(model, spec), offload_activations=offload_activations)
 
 
 def _place(model: nn.Module, spec: FamilySpec, offload, device: torch.device):
@@ -128,7 +171,7 @@ def _place(model: nn.Module, spec: FamilySpec, offload, device: torch.device):
         model, device,
         enable_optimizer_cpu_offload=offload.enable_optimizer_cpu_offload,
         cpu_offload_split_threshold=offload.cpu_offload_split_threshold,
-        block_container_names=spec.block_container_names,
+        block_container_names=block_containers(model, spec),
         granularity=offload.granularity,
         prefetch=offload.prefetch,
         vram_budget_gb=offload.vram_budget_gb,
@@ -144,7 +187,9 @@ def _storage_dtype(name: str | None):
     return name if name in (None, PACKED) else getattr(torch, name)
 
 
-def prepare_for_training(model: nn.Module, spec: FamilySpec, train, offload, device: torch.device) -> Prepared:
+def prepare_for_training(model: nn.Module, spec: FamilySpec, train, offload, device: torch.device,
+                         latent_shape=None) -> Prepared:
+    """``latent_shape``: the largest batch's latents ``(C, f, h, w)``, which "auto" activation offload reads."""
     if getattr(offload, "optimizer_step_in_backward", False):
         _refuse_what_cannot_step_in_backward(train, offload)
     if train.preset_lora_path:
@@ -158,8 +203,8 @@ def prepare_for_training(model: nn.Module, spec: FamilySpec, train, offload, dev
     if getattr(train, "compile_blocks", False):  # before checkpointing: it wraps the compiled forward
         from .compile import compile_blocks
 
-        compile_blocks(model, spec.block_container_names)
-    _enable_checkpointing(model, spec, train)
+        compile_blocks(model, block_containers(model, spec))
+    _enable_checkpointing(model, spec, train, activations_need_host(train, offload, device, model, spec, latent_shape))
     manager = _place(model, spec, offload, device)
     model.train()
     trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}

@@ -67,8 +67,8 @@ FLAGS: dict[str, Flag] = {
     "initialize_model_on_cpu": Flag("switch", noop="models are always built on the CPU, then placed"),
     "zero_cond_t": Flag("switch", "model.zero_cond_t"),  # Qwen-Image-Edit-2511; absent: the transformer's config
     "framewise_decoding": Flag("switch", default=False, refuse="WanToDance's framewise decoding is not supported"),
-    "max_timestep_boundary": Flag(default=1.0, refuse="timestep boundaries (Wan2.2 MoE experts) are not supported"),
-    "min_timestep_boundary": Flag(default=0.0, refuse="timestep boundaries (Wan2.2 MoE experts) are not supported"),
+    # one Wan2.2 A14B expert per run: the schedule's index fractions -> train.sigma_range (below)
+    "max_timestep_boundary": Flag(), "min_timestep_boundary": Flag(),
     # training (add_training_config, add_gradient_config)
     "learning_rate": Flag(key="train.learning_rate", default=1e-4),
     "num_epochs": Flag(key="train.num_epochs", default=1),
@@ -296,6 +296,33 @@ def _apply_training(data: dict, flags: dict[str, str], defaults: bool, family: s
     apply_override(data, "train.lora_target_modules", targets)
 
 
+def _apply_timestep_boundaries(data: dict, flags: dict[str, str], family: str) -> None:
+    """``--min/--max_timestep_boundary`` -> ``train.sigma_range``.  DiffSynth draws the index
+    ``randint(min * 1000, max * 1000)`` of its 1000-point training schedule (diffsynth/diffusion/loss.py),
+    sigma 1 first; those points are exactly the ones in ``[grid[max * 1000 - 1], grid[min * 1000]]``,
+    and the run trains the expert(s) serving that range (``training/experts.py``)."""
+    if "max_timestep_boundary" not in flags and "min_timestep_boundary" not in flags:
+        return
+    from diffsynth_core.models import get_family
+    from diffsynth_core.training.flow_matching import DIFFSYNTH_STEPS, diffsynth_sigmas
+
+    low = _value(Flag(), flags.get("min_timestep_boundary", "0"))
+    high = _value(Flag(), flags.get("max_timestep_boundary", "1"))
+    if not all(isinstance(v, (int, float)) for v in (low, high)) or not 0 <= low < high <= 1:
+        raise ConfigError(f"--min_timestep_boundary {low} --max_timestep_boundary {high}: each must lie in [0, 1], "
+                          "min below max (fractions of the training schedule, 0 = pure noise)")
+    template = get_family(family).diffsynth_template
+    if template is None:
+        raise ConfigError(f"--max_timestep_boundary/--min_timestep_boundary: family {family} has no DiffSynth "
+                          "training schedule to take them in")
+    grid = diffsynth_sigmas(template)
+    first, last = int(low * DIFFSYNTH_STEPS), int(high * DIFFSYNTH_STEPS) - 1
+    if last < first:
+        raise ConfigError(f"--min_timestep_boundary {low} --max_timestep_boundary {high} select no point of the "
+                          f"{DIFFSYNTH_STEPS}-step schedule: widen them")
+    apply_override(data, "train.sigma_range", [float(grid[last]), float(grid[first])])
+
+
 def _apply_family_defaults(data: dict, flags: dict[str, str], defaults: bool, family: str) -> None:
     from diffsynth_core.models import get_family
 
@@ -375,6 +402,7 @@ def run_config_from_cli(config: str | None, sets: list[str], tokens: list[str], 
     family = _apply_models(data, flags, list(sets), defaults)
     _apply_training(data, flags, defaults, family, stage)
     _apply_family_defaults(data, flags, defaults, family)
+    _apply_timestep_boundaries(data, flags, family)
     _apply_dataset(data, flags, stage)
     if flags:  # a DiffSynth user's next command (validate.py) looks for <output_path>/epoch-K.safetensors
         data.setdefault("output", {})["diffsynth_files"] = True  # (--set output.diffsynth_files=false wins)

@@ -206,3 +206,64 @@ def expand_dataset_config(data: dict[str, Any]) -> dict[str, Any]:
     train = data.setdefault("train", {})
     train.setdefault("batch_size", batch_size)
     return data
+
+
+# --- Wan training flags (musubi-tuner src/musubi_tuner/wan_train_network.py, wan/configs) -------------
+
+# musubi's --task -> the wan variant; the A14B tasks with --dit_high_noise train both experts in one run.
+WAN_TASKS = {"t2v-14B": "t2v", "t2v-1.3B": "t2v", "i2v-14B": "i2v", "t2v-A14B": "t2v-a14b", "i2v-A14B": "i2v-a14b"}
+# The one-DiT layout of each A14B task: one expert's DiT alone is a Wan2.1-14B-shaped DiT.
+_ONE_EXPERT = {"t2v-a14b": "t2v"}
+
+
+def wan_training_overrides(flags: dict[str, str], tokenizer: str | Path | None = None) -> list[str]:
+    """``section.key=value`` overrides for musubi's Wan model and timestep flags.
+
+    ``--dit`` (the low-noise DiT when ``--dit_high_noise`` gives the high-noise one: both experts in one
+    run), ``--t5``, ``--vae`` -> ``model.sources``; ``--timestep_boundary`` (0-1000, or a fraction; the
+    task's own by default) -> ``model.boundary_ratio``; ``--min_timestep`` / ``--max_timestep`` (0-1000)
+    -> ``train.sigma_range``.  ``tokenizer``: umT5's tokenizer folder (musubi fetches it from the hub;
+    splitflow never downloads).  musubi draws one timestep per batch to pick the expert and redraws each
+    sample onto its side; splitflow splits the batch instead (docs/training.md, "Experts")."""
+    task = flags.get("task", "t2v-14B")
+    if task not in WAN_TASKS:
+        raise InputError(f"musubi --task {task}: splitflow trains the Wan tasks {', '.join(WAN_TASKS)}")
+    variant, out = WAN_TASKS[task], ["model.family=wan"]
+    if not flags.get("dit"):
+        raise InputError("musubi flags: --dit is missing (the DiT checkpoint to train)")
+    high = flags.get("dit_high_noise")
+    if high and variant not in ("t2v-a14b", "i2v-a14b"):
+        raise InputError(f"musubi --dit_high_noise: --task {task} has one DiT; use t2v-A14B or i2v-A14B")
+    if not high and variant in ("t2v-a14b", "i2v-a14b"):
+        if variant not in _ONE_EXPERT:
+            raise InputError(f"musubi --task {task} without --dit_high_noise: give both experts' DiTs")
+        variant = _ONE_EXPERT[variant]  # one expert: its sigmas come from --min/--max_timestep
+    sources = {"transformer": high or flags["dit"]}
+    if high:
+        sources["transformer_2"] = flags["dit"]
+    sources.update({name: flags[flag] for flag, name in (("t5", "text_encoder"), ("vae", "vae")) if flags.get(flag)})
+    if tokenizer is not None:
+        sources["tokenizer"] = str(tokenizer)
+    out.append(f"model.variant={variant!r}")
+    table = ", ".join(f"{name} = [{str(Path(path).absolute())!r}]" for name, path in sources.items())
+    out.append(f"model.sources={{{table}}}")
+    if flags.get("timestep_boundary") is not None:
+        out.append(f"model.boundary_ratio={_fraction(flags['timestep_boundary'], '--timestep_boundary')}")
+    if flags.get("min_timestep") is not None or flags.get("max_timestep") is not None:
+        low = _fraction(flags.get("min_timestep", "0"), "--min_timestep", whole=True)
+        top = _fraction(flags.get("max_timestep", "1000"), "--max_timestep", whole=True)
+        out.append(f"train.sigma_range=[{low}, {top}]")
+    return out
+
+
+def _fraction(raw: str, flag: str, whole: bool = False) -> float:
+    """A timestep (0-1000; musubi divides one above 1 by 1000) as a sigma in [0, 1]."""
+    try:
+        value = float(raw)
+    except ValueError:
+        raise InputError(f"musubi {flag} {raw!r} is not a number") from None
+    value = value / 1000.0 if whole or value > 1 else value
+    if not 0 <= value <= 1 or (flag == "--timestep_boundary" and value in (0, 1)):
+        raise InputError(f"musubi {flag} {raw}: the boundary must lie inside (0, 1000) (or (0, 1) as a fraction)"
+                         if flag == "--timestep_boundary" else f"musubi {flag} {raw} must lie in [0, 1000]")
+    return value

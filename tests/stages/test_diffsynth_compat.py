@@ -49,10 +49,10 @@ def test_every_unknown_flag_is_reported_in_one_line_before_anything_starts(capsy
 
 def test_refused_flags_are_all_named_at_once(capsys):
     assert main(["train", "--fp8_models", "dit", "--task", "direct_distill", "--enable_wandb_log",
-                 "--max_timestep_boundary", "1.0"]) == 2
+                 "--preset_lora_model", "dit"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--fp8_models" in err and "direct_distill" in err
-    assert "--enable_wandb_log" in err and "max_timestep_boundary" not in err  # its default is harmless
+    assert "--enable_wandb_log" in err and "preset_lora_model" not in err  # its default is harmless
 
 
 def test_config_file_keeps_its_values_and_flags_override(tmp_path, capsys):

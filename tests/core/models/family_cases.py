@@ -75,6 +75,13 @@ def _wan_inputs(pipe, kw, out):
     return kw["hidden_states"], sigmas, {"prompt_embeds": kw["encoder_hidden_states"]}, out
 
 
+def _wan_per_token_inputs(pipe, kw, out):
+    """TI2V-5B (expand_timesteps): one timestep per latent token, all equal without a first frame."""
+    t = kw["timestep"].float()
+    assert t.ndim == 2 and torch.equal(t, t[:, :1].expand_as(t))
+    return kw["hidden_states"], t[:, 0] / 1000, {"prompt_embeds": kw["encoder_hidden_states"]}, out
+
+
 def _wan_prompt(pipe, prompt):
     embeds, _ = pipe.encode_prompt(prompt, do_classifier_free_guidance=False,
                                    max_sequence_length=pipe.tokenizer.model_max_length)
@@ -151,6 +158,9 @@ CASES = [
     _edit_case("edit", 1),
     _edit_case("edit-2509", 2),
     _edit_case("edit-2511", 2),
+    FamilyCase("wan_ti2v_5b", "wan", (3, 5, 64, 64), dict(height=64, width=64, num_frames=5, num_inference_steps=2,
+               guidance_scale=1.0, max_sequence_length=32), _wan_per_token_inputs, _wan_prompt,
+               variant="ti2v-5b"),
 ]
 
 

@@ -11,13 +11,14 @@ from diffsynth_core.training.device import avoid_broken_kernels
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("family, frames", [("qwen_image", 1), ("flux", 1), ("wan", 5)])
-def test_tiny_family_loads_encodes_and_trains_on_cuda(family, frames, tmp_path):
+@pytest.mark.parametrize("family, frames, variant", [("qwen_image", 1, None), ("flux", 1, None), ("wan", 5, None),
+                                                     ("wan", 5, "ti2v-5b")])
+def test_tiny_family_loads_encodes_and_trains_on_cuda(family, frames, variant, tmp_path):
     from diffusers.training_utils import cast_training_params
     from peft import LoraConfig
 
     avoid_broken_kernels("cuda")  # cuDNN attention gives NaN gradients here (see training/device.py)
-    spec = get_family(family)
+    spec = get_family(family, variant)
     folder = spec.save_tiny_model(tmp_path / family, 0)
     names = spec.encoder_components + (spec.transformer_component,)
     comps = spec.load_components(folder, names, torch.bfloat16, "cuda")
