@@ -49,10 +49,12 @@ RULES: dict[str, Kind] = {
     "dataset.base_path": D, "dataset.metadata_path": D, "dataset.data_file_keys": D, "dataset.max_pixels": D,
     "dataset.height": D, "dataset.width": D, "dataset.num_frames": D, "dataset.skip_bad_samples": D,
     "dataset.background": D, "dataset.allow_external_paths": D, "dataset.caption_extension": D,
-    "dataset.sources": D,
+    "dataset.sources": D, "dataset.reference_pixels": D, "dataset.reference_size": D,
     "dataset.repeat": F,  # an epoch's batches, which the checkpoint's epoch position counts
     # [model]
     "model.family": F, "model.variant": F,
+    # what the DiT computes and which sigmas each expert serves
+    "model.zero_cond_t": F, "model.boundary_ratio": F,
     "model.path": B, "model.transformer_file": B, "model.sources": B,
     "model.dtype": N,
     # [cache]: entries are checked against the encoders wherever the cache lives
@@ -74,6 +76,7 @@ RULES: dict[str, Kind] = {
     "train.lora_rank": F, "train.lora_alpha": F, "train.lora_target_modules": F, "train.lora_init": F,
     "train.preset_lora_path": F, "train.lora_checkpoint": F, "train.trainable_models": F,
     "train.batch_size": F, "train.gradient_accumulation_steps": F, "train.drop_last": F,
+    "train.experts": F, "train.sigma_range": F,  # which transformers train, on which sigmas
     "train.lora_narrow_inputs": N, "train.gradient_checkpointing": N, "train.gradient_checkpointing_offload": N,
     "train.device": N, "train.deterministic": N, "train.compile_blocks": N,
     "train.retries": R, "train.tensorboard": R,

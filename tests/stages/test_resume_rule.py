@@ -121,10 +121,10 @@ def test_run_refuses_it_before_prefect_starts_so_nothing_is_retried(copied, caps
 
 
 @pytest.mark.parametrize("argv, fragments", [
-    (["--set", "train.learning_rate=3e-4"], ["train.learning_rate 0.001 -> 0.0003"]),
+    (["--set", "train.learning_rate=3e-4"], ["train.learning_rate 0.02 -> 0.0003"]),
     # DiffSynth-Studio flags, whose users expect every command to start fresh
-    (["--learning_rate", "3e-4"], ["train.learning_rate 0.001 -> 0.0003"]),
-    (["--num_epochs", "3"], ["train.num_epochs 1 -> 3"]),
+    (["--learning_rate", "3e-4"], ["train.learning_rate 0.02 -> 0.0003"]),
+    (["--num_epochs", "3"], ["train.num_epochs 2 -> 3"]),
 ], ids=["--set", "--learning_rate", "--num_epochs"])
 def test_a_finished_output_given_another_config_says_how_to_continue_and_how_to_start_anew(copied, capsys, argv,
                                                                                            fragments):
