@@ -80,7 +80,7 @@ def format_inspect(info: dict[str, Any]) -> str:
     lines += [f"  missing: {k}" for k in info.get("missing_examples", [])]
     if info.get("verified"):
         errors = info["errors"]
-        aux = f" ({info['entries']} rows + {info['aux_entries']} auxiliary read)" if info.get("aux_entries") else ""
+        aux = f" ({info['entries']} entries + {info['aux_entries']} auxiliary read)" if info.get("aux_entries") else ""
         lines.append(f"verify       {info['checked']} entries read, {len(errors)} bad, "
                      f"{info['missing']} missing: " + ("OK" if info["ok"] else "FAILED") + aux)
         lines += [f"  {e}" for e in errors[:MAX_LISTED]]

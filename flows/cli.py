@@ -80,9 +80,9 @@ def cmd_demo(args, extra) -> int:
     if args.variant:  # an edit model and (reference, instruction, target) triples
         from stages.demo_edit import prepare_edit_demo
 
-        _, config_path = prepare_edit_demo(workdir, args.variant, overrides)
+        cfg, config_path = prepare_edit_demo(workdir, args.variant, overrides)
     else:
-        _, config_path = prepare_demo(workdir, args.family, overrides)
+        cfg, config_path = prepare_demo(workdir, args.family, overrides)
     print(f"demo: dataset, tiny {args.variant or args.family} model and {config_path} ready in {workdir}")
     args.config, args.set, args.name = str(config_path), [], args.name or workdir.resolve().name
     _run_stages(args, [], ("preprocess", "train"))
@@ -90,8 +90,9 @@ def cmd_demo(args, extra) -> int:
     from stages.status import metric_rows
 
     output = workdir / "output"
-    print(f"{loss_trend(metric_rows(cfg))}; validation images (one every {cfg.train.validation_steps} steps) in "
-          f"{output / 'validation'}")
+    rendered = (f"; validation images (one every {cfg.train.validation_steps} steps) in {output / 'validation'}"
+                if cfg.train.validation_prompts else "")
+    print(f"{loss_trend(metric_rows(cfg))}{rendered}")
     print(f"outputs in {output}; rerun any verb with: splitflow <verb> {config_path}")
     return 0
 

@@ -62,9 +62,16 @@ def check_lora_targets_first(cfg: RunConfig, stages: tuple[str, ...], local: boo
     (``local=False``: the stages run on work pools, see ``stages.common.check_lora_targets``)."""
     if "train" not in stages:
         return
+    from diffsynth_core.errors import InputError
     from stages.common import check_lora_targets, family_of
 
-    check_lora_targets(cfg, family_of(cfg), local)
+    try:
+        spec = family_of(cfg)
+    except InputError:
+        if local:
+            raise
+        return  # the model is where the workers are: their load names what is missing or ambiguous
+    check_lora_targets(cfg, spec, local)
 
 
 def _refuse_fixed_changes(cfg: RunConfig) -> None:

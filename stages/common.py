@@ -206,10 +206,15 @@ def family_of(cfg: RunConfig) -> FamilySpec:
     variant = cfg.model.variant
     # The folder first, then a single DiT file, then released files (DiffSynth's layout).
     sources = (cfg.model.sources or {}).get(spec.transformer_component, [])
-    for where in [cfg.model.path, cfg.model.transformer_file, *sources]:
-        if variant is None and spec.variant_of is not None and where and Path(where).exists():
-            variant = spec.variant_of(Path(where))
+    places = [where for where in [cfg.model.path, cfg.model.transformer_file, *sources] if where]
+    # Files need not exist yet to tell by name (a release's folder); None: no place to ask.
+    for where in [Path(where) for where in places] or [None]:
+        if variant is None and spec.variant_of is not None:
+            variant = spec.variant_of(where)
+    where = places[0] if places else None
     if variant is None:
+        if not cfg.model.path and not cfg.model.sources:  # no model at all: that is the line to give
+            component_files(cfg, spec, spec.transformer_component)
         choices = ", ".join(sorted(spec.variants))
         raise InputError(f"model.variant: the files of {where or 'model.path'} do not tell which "
                          f"{spec.name} variant they are; set model.variant to one of: {choices}")

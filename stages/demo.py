@@ -72,7 +72,7 @@ def write_demo_model(folder: Path, family: str = "qwen_image", seed: int = 0) ->
 
 
 def demo_config(workdir: Path, family: str = "qwen_image", overrides: list[str] = ()) -> RunConfig:
-    """A complete config for the demo whose outputs all live under ``workdir``."""
+    """A complete config for the demo whose outputs all live under ``workdir`` (``overrides`` last)."""
     workdir = workdir.resolve()
     data = {
         "dataset": {"base_path": str(workdir / "dataset"), "metadata_path": str(workdir / "dataset" / "metadata.csv"),
@@ -86,14 +86,33 @@ def demo_config(workdir: Path, family: str = "qwen_image", overrides: list[str] 
         # by about a quarter over two epochs (docs/training.md has the schedules).
         "train": {"learning_rate": 2e-2, "num_epochs": 2, "max_steps": 32, "save_steps": 8, "lora_rank": 4, "seed": 0,
                   "device": "cpu", "timestep_sampling": "logit_normal", "logit_std": 0.5, "loss_weighting": "none",
-                  "validation_prompts": [DEMO_VALIDATION_PROMPT], "validation_steps": 16,
                   "validation_inference_steps": 8},
         "output": {"path": str(workdir / "output")},
     }
-    variants = list(get_family(family).variants)
-    if variants:  # the tiny model's files cannot tell a variant: it stands for the family's first
-        data["model"]["variant"] = variants[0]
+    cfg = build_config(data, list(overrides), source="demo")
+    spec = get_family(cfg.model.family)
+    if spec.variants and cfg.model.variant is None and cfg.model.path and (
+            spec.variant_of is None or spec.variant_of(Path(cfg.model.path)) is None):
+        # The tiny model's files cannot tell its variant (Z-Image base and Turbo share them): it stands for the first.
+        data["model"]["variant"] = next(iter(spec.variants))
+    if _renders_validation(build_config(data, list(overrides), source="demo")):
+        data["train"].update(validation_prompts=[DEMO_VALIDATION_PROMPT], validation_steps=16)
     return build_config(data, list(overrides), source="demo")
+
+
+def _renders_validation(cfg: RunConfig) -> bool:
+    """Whether the demo can render validation images: a diffusers folder and one transformer (expert runs render
+    none yet, stages/train.py)."""
+    from diffsynth_core.errors import InputError
+
+    from .common import family_of
+
+    if not cfg.model.path:
+        return False
+    try:
+        return not family_of(cfg).experts
+    except InputError:  # the files are missing or ambiguous: the run itself names it
+        return True
 
 
 def prepare_demo(workdir: Path, family: str = "qwen_image", overrides: list[str] = ()) -> tuple[RunConfig, Path]:

@@ -41,8 +41,6 @@ def check_inputs(cfg: RunConfig, stages: tuple[str, ...]) -> int | None:
         (spec.transformer_component,) if "train" in stages else ())
     for name in dict.fromkeys(components):
         _check_model(cfg, lambda n=name: component_files(cfg, spec, n))
-    if "train" in stages:
-        check_lora_targets(cfg, spec)  # on a weightless build: every bad target in one line
     rows = None
     if "preprocess" in stages or cfg.dataset.metadata_path or cfg.dataset.sources:
         rows = _check_metadata(cfg, spec)
@@ -52,6 +50,8 @@ def check_inputs(cfg: RunConfig, stages: tuple[str, ...]) -> int | None:
     _check_writable(cfg.output_dir, "output.path")
     if "preprocess" in stages and "://" not in cfg.cache_url:
         _check_writable(Path(cfg.cache_url), "cache.url")
+    if "train" in stages:  # last: building the DiT on meta imports diffusers (seconds), the checks above do not
+        check_lora_targets(cfg, spec)  # on a weightless build: every bad target in one line
     return rows
 
 

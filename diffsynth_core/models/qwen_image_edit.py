@@ -257,9 +257,11 @@ def _from_names(path: Path) -> str | None:
     return None  # Edit v1 and a renamed 2509 file cannot be told apart
 
 
-def variant_of(path: Path) -> str | None:
+def variant_of(path: Path | None) -> str | None:
     """The variant a model folder, transformer folder or single DiT file is, or None where the files
-    cannot tell (Edit v1 and 2509 share an architecture and their single files are alike)."""
+    cannot tell (Edit v1 and 2509 share an architecture and their single files are alike) or there are none."""
+    if path is None:
+        return None
     path = Path(path)
     if (path / "model_index.json").is_file():
         pipeline = read_model_index_file(path).get("_class_name")

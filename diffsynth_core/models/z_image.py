@@ -239,9 +239,11 @@ _TURBO = re.compile(r"z[-_ ]?image[-_ ]?turbo", re.IGNORECASE)
 _BASE = re.compile(r"(^|--)z[-_ ]?image([-_ ]base)?$", re.IGNORECASE)  # Tongyi-MAI/Z-Image, hub cache "models--…"
 
 
-def variant_of(path: Path) -> str | None:
+def variant_of(path: Path | None) -> str | None:
     """``turbo`` or ``base`` from the model id in the path (DiffSynth's ./models/Tongyi-MAI/Z-Image-Turbo/,
     the hub cache's models--Tongyi-MAI--Z-Image): their weights have the same shapes, so nothing else tells."""
+    if path is None:
+        return None
     parts = Path(path).parts
     if any(_TURBO.search(part) for part in parts):
         return "turbo"

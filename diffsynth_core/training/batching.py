@@ -8,6 +8,8 @@ longest, the mask's padding being 0, which the DiT's attention then ignores.
 
 from __future__ import annotations
 
+import math
+
 from typing import Any, Hashable, Mapping, Sequence
 
 import torch
@@ -36,6 +38,16 @@ def _bucket(entry: Mapping[str, Any]) -> Hashable:
         references.append(tuple(entry[f"ref_latents_{i}"].shape))
         i += 1
     return (latents, *references) if references else latents
+
+
+def sequence_shape(bucket: Hashable) -> tuple[int, ...]:
+    """A bucket as one latent shape: the target's ``(C, f, h, w)``, or, with references, ``(C, 1, 1,
+    positions)`` counting the target's positions and its references', which the DiT's sequence holds
+    together (what activation planning reads)."""
+    if not bucket or not isinstance(bucket[0], tuple):
+        return tuple(bucket)
+    positions = sum(math.prod(shape[1:]) for shape in bucket)
+    return (bucket[0][0], 1, 1, positions)
 
 
 def with_empty_prompt(entry: Mapping[str, Any], empty_prompt: Mapping[str, torch.Tensor]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ generator seeded by its draw serial, and a checkpoint holds every piece of state
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..models.base import FamilySpec
-from .batching import latent_shapes, stack_entries, to_device, with_empty_prompt
+from .batching import latent_shapes, sequence_shape, stack_entries, to_device, with_empty_prompt
 from .checkpoint import CheckpointManager
 from .collector import frozen_heap
 from .ema import EmaWeights
@@ -134,7 +135,7 @@ class Trainer:
 
     # -- public verbs --------------------------------------------------------------------------
     def fit(self) -> TrainResult:
-        largest = max(latent_shapes(self.samples), key=lambda shape: torch.Size(shape).numel())
+        largest = max((sequence_shape(bucket) for bucket in latent_shapes(self.samples)), key=math.prod)
         prepared = prepare_for_training(self.model, self.spec, self.train, self.offload_opts, self.device, largest)
         sampler = self.make_sampler()
         ema = self._make_ema(prepared)

@@ -76,10 +76,11 @@ def test_second_demo_run_reencodes_nothing_and_says_so(demo_dir, capsys):
 def test_cache_inspect_and_verify_on_the_demo_cache(demo_dir, capsys):
     assert main(["cache", "inspect", str(demo_dir / "cache.zarr")]) == 0
     out = capsys.readouterr().out
-    assert "16 in 2 parts, plus 1 auxiliary: the empty prompt's embedding" in out
+    # 16 rows, two entries each: the target's latents and its conditioning (docs/design.md, cache keys)
+    assert "32 in 2 parts, plus 1 auxiliary: the empty prompt's embedding" in out
     assert main(["cache", "verify", str(demo_dir / "cache.zarr")]) == 0
     out = capsys.readouterr().out
-    assert "0 bad, 0 missing: OK (16 rows + 1 auxiliary read)" in out  # the 17th: the empty prompt
+    assert "0 bad, 0 missing: OK (32 entries + 1 auxiliary read)" in out  # the 33rd: the empty prompt
 
 
 def test_resume_of_a_finished_demo_does_not_say_resuming(demo_dir, capsys):

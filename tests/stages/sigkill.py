@@ -14,7 +14,9 @@ import sys
 from pathlib import Path
 from stages import train
 from stages.demo import demo_config
-train.run(demo_config(Path(sys.argv[1]), overrides=sys.argv[2:]))
+overrides = sys.argv[2:]
+family = next((o.split("=", 1)[1] for o in overrides if o.startswith("model.family=")), "qwen_image")
+train.run(demo_config(Path(sys.argv[1]), family, overrides))
 """
 
 

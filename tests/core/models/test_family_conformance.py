@@ -53,7 +53,8 @@ def _pipeline(spec, tiny_dir):
     import diffusers
 
     # The edit pipelines' processor is loaded as the family loads it (transformers' own needs torchvision).
-    extra = spec.load_components(tiny_dir, ("processor",), torch.float32, "cpu") if spec.references else {}
+    sees_images = spec.references is not None and spec.references.text_area is not None
+    extra = spec.load_components(tiny_dir, ("processor",), torch.float32, "cpu") if sees_images else {}
     return getattr(diffusers, spec.pipeline_class_name).from_pretrained(tiny_dir, **extra)
 
 
