@@ -41,6 +41,9 @@ def check_inputs(cfg: RunConfig, stages: tuple[str, ...]) -> int | None:
         (spec.transformer_component,) if "train" in stages else ())
     for name in dict.fromkeys(components):
         _check_model(cfg, lambda n=name: component_files(cfg, spec, n))
+    targets_given = cfg.train.lora_target_modules or cfg.train.lora_checkpoint
+    if "train" in stages and targets_given:  # what the user typed first; a family's defaults are checked last
+        check_lora_targets(cfg, spec)  # on a weightless build: every bad target in one line
     rows = None
     if "preprocess" in stages or cfg.dataset.metadata_path or cfg.dataset.sources:
         rows = _check_metadata(cfg, spec)
@@ -50,8 +53,8 @@ def check_inputs(cfg: RunConfig, stages: tuple[str, ...]) -> int | None:
     _check_writable(cfg.output_dir, "output.path")
     if "preprocess" in stages and "://" not in cfg.cache_url:
         _check_writable(Path(cfg.cache_url), "cache.url")
-    if "train" in stages:  # last: building the DiT on meta imports diffusers (seconds), the checks above do not
-        check_lora_targets(cfg, spec)  # on a weightless build: every bad target in one line
+    if "train" in stages and not targets_given:  # last: the DiT on meta imports diffusers (seconds)
+        check_lora_targets(cfg, spec)
     return rows
 
 

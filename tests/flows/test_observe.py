@@ -14,6 +14,9 @@ def _echo_filters() -> list[int]:
 
 
 def test_each_session_leaves_one_echo_filter_and_debug_none():
+    from prefect.logging.configuration import setup_logging
+
+    setup_logging(incremental=False)  # Prefect's handlers as a fresh process has them (other tests strip them)
     console(private_server=True)
     console(private_server=False, api_url="http://127.0.0.1:4200/api")
     counts = _echo_filters()
