@@ -106,6 +106,7 @@ class HostStepper:
                  threads: int | None = None):
         self.optimizer = optimizer
         own = torch.get_num_threads()  # read on the calling thread: fixes its count before the worker sets its
+        self._process_threads = own  # given back when the worker stops (see _run)
         self.threads = max(1, own - 2) if threads is None else threads
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
@@ -193,8 +194,16 @@ class HostStepper:
 
     def _run(self) -> None:
         # Sizes this thread's OpenMP team; the caller's is already fixed (see __init__), though
-        # threads that have not run parallel CPU work yet will also start with this count.
+        # threads that have not run parallel CPU work yet will also start with this count, so the
+        # process's count is given back on the way out: a later run in this process (tests, the
+        # demo) computes with the thread count it would have had, and so rounds the same way.
         torch.set_num_threads(self.threads)
+        try:
+            self._serve()
+        finally:
+            torch.set_num_threads(self._process_threads)
+
+    def _serve(self) -> None:
         while True:
             with self._cv:
                 while not self._queue and not self._closed:
