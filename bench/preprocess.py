@@ -52,14 +52,22 @@ GB = 1e9
 TARGETS = {"qwen_image": (1024, (1, 1328, 1328), 8.0), "flux": (1024, (1, 1024, 1024), 8.0),
            "wan": (None, (81, 480, 832), 12.0)}
 TINY = {"qwen_image": (64, (1, 96, 96), 0.0), "flux": (64, (1, 96, 96), 0.0), "wan": (None, (5, 64, 64), 0.0)}
+# Variants (``--families family:variant``): the edit issue's two references at 1024^2 within 8 GiB (the vision
+# tower sees each reference, the VAE encodes target and references); Wan2.2 TI2V-5B's umT5 and 16x VAE at
+# 121 frames of 704x1280 within 12 GiB.  variant -> (throughput side, memory sample, budget GB, references,
+# released encoder layout)
+VARIANTS = {"qwen_image:edit-2509": (1024, (1, 1024, 1024), 8.0, 2, "Qwen-Image"),
+            "wan:ti2v-5b": (None, (121, 704, 1280), 12.0, 0, "Wan2.2")}
+TINY_VARIANTS = {"qwen_image:edit-2509": (64, (1, 96, 96), 0.0, 2, None), "wan:ti2v-5b": (None, (5, 64, 64), 0.0, 0, None)}
 WORDS = ("a photo of red blue green small large old young cat dog house tree river mountain city street "
          "at night in the morning under soft light with a wide lens detailed painting watercolor").split()
 
 
 # --- inputs -------------------------------------------------------------------------------------
 
-def write_dataset(folder: Path, count: int, side: int, seed: int = 0) -> Path:
-    """``count`` smooth random JPEGs of ``side`` x ``side`` with prompts of 5-60 words."""
+def write_dataset(folder: Path, count: int, side: int, seed: int = 0, references: int = 0) -> Path:
+    """``count`` smooth random JPEGs of ``side`` x ``side`` with prompts of 5-60 words; with ``references``,
+    each row names that many of the other images as its ``edit_image`` list (DiffSynth's edit layout)."""
     from PIL import Image
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -70,8 +78,11 @@ def write_dataset(folder: Path, count: int, side: int, seed: int = 0) -> Path:
         image = Image.fromarray(low.permute(1, 2, 0).numpy()).resize((side, side), Image.BICUBIC)
         image.save(folder / f"{i:04d}.jpg", quality=90)
         rows.append({"image": f"{i:04d}.jpg", "prompt": " ".join(rng.choices(WORDS, k=rng.randint(5, 60)))})
+    for i, row in enumerate(rows):
+        if references:
+            row["edit_image"] = json.dumps([f"{(i + k) % count:04d}.jpg" for k in range(1, references + 1)])
     with open(folder / "metadata.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=["image", "prompt"])
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
     return folder / "metadata.csv"
@@ -162,16 +173,25 @@ def batching_tolerance(url_a: str, url_b: str) -> dict:
 # --- one family ---------------------------------------------------------------------------------
 
 class Bench:
-    def __init__(self, args, family: str, root: Path, report: dict):
-        self.args, self.family, self.root, self.report = args, family, root, report
-        self.spec = get_family(family)
-        self.variant = None if args.tiny else self.spec.encoder_variants[0]
-        self.side, self.memory_sample, self.budget = (TINY if args.tiny else TARGETS)[family]
+    def __init__(self, args, name: str, root: Path, report: dict):
+        """``name``: a family, or ``family:variant`` (``VARIANTS``)."""
+        self.args, self.root, self.report = args, root, report
+        self.family, _, spec_variant = name.partition(":")
+        self.spec = get_family(self.family, spec_variant or None)
+        if spec_variant:
+            self.side, self.memory_sample, self.budget, self.references, layout = (
+                TINY_VARIANTS if args.tiny else VARIANTS)[name]
+        else:
+            self.side, self.memory_sample, self.budget = (TINY if args.tiny else TARGETS)[name]
+            self.references, layout = 0, self.spec.encoder_variants[0]
+        self.variant = None if args.tiny else layout
         self.model = self.spec.save_tiny_model(root / "model", 0)  # configs for identity; weights replaced
-        self.out = report.setdefault(family, {"variant": self.variant or "tiny"})
+        self.out = report.setdefault(name, {"variant": self.variant or "tiny", "references": self.references})
 
     def config(self, name: str, metadata: Path, side: int, dataset: dict | None = None, **preprocess_keys):
         keys = {"decode_workers": 4, "commit_every": 64, **preprocess_keys}
+        if self.references:  # the references at the target's area, as the edit pipelines resize them
+            dataset = {"data_file_keys": ["image", "edit_image"], "reference_pixels": side * side, **(dataset or {})}
         return build_config({
             "dataset": {"metadata_path": str(metadata), "max_pixels": side * side, **(dataset or {})},
             "model": {"family": self.family, "path": str(self.model), "dtype": "bfloat16"},
@@ -184,8 +204,8 @@ class Bench:
     def throughput(self) -> None:
         if self.side is None:
             return
-        data = write_dataset(self.root / "images", self.args.images, self.side)
-        warm = write_dataset(self.root / "warm", 2, self.side, seed=1)
+        data = write_dataset(self.root / "images", self.args.images, self.side, references=self.references)
+        warm = write_dataset(self.root / "warm", 3, self.side, seed=1, references=self.references)
         for mode in ("resident", "offloaded"):
             resident = mode == "resident"
             keys = {"offload_encoders": not resident, "vram_budget_gb": 0.0 if resident else self.budget}
@@ -214,9 +234,9 @@ class Bench:
         keys = {"offload_encoders": True, "vram_budget_gb": self.budget, "batch_size": 4}
         with released_encoders(self.spec, self.variant, resident=False):
             if frames == 1:
-                warm = write_dataset(self.root / "memory-warm", 1, height, seed=3)
+                warm = write_dataset(self.root / "memory-warm", 3, height, seed=3, references=self.references)
                 preprocess.run(self.config("memory-warm", warm, height, **keys), 0)  # loads the encoders
-                data = write_dataset(self.root / "memory", 4, height, seed=2)
+                data = write_dataset(self.root / "memory", 4, height, seed=2, references=self.references)
                 result = run_once(self.config("memory", data, height, **keys))
             else:  # videos: straight through the engine (no video writer on the GPU machine)
                 result = self.video_memory(frames, height, width, keys)

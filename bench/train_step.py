@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import resource
 import sys
 import tempfile
 import time
@@ -42,12 +43,24 @@ def _ints(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part]
 
 
-def _samples(spec, model, args, size: int, count: int) -> list[dict]:
-    samples = []
+def _sizes(text: str) -> list[str]:
+    """Image sizes: ``1024`` (square) or ``480x832`` (height x width), comma-separated."""
+    return [part for part in text.split(",") if part]
+
+
+def _height_width(size: str) -> tuple[int, int]:
+    height, _, width = size.partition("x")
+    return int(height), int(width or height)
+
+
+def _samples(spec, model, args, size: str, count: int) -> list[dict]:
+    samples, (height, width) = [], _height_width(size)
+    # edit variants: reference latents of the target's size, each as long a sequence as the target
+    references = {} if args.references is None else {"references": args.references}
     for seed in range(count):
         config = model.expert_model(model.experts[0]).config if isinstance(model, ExpertModels) else model.config
-        latents, cond = spec.dummy_inputs(config, batch=1, height=size, width=size,
-                                          num_frames=args.frames, text_len=args.text_len, seed=seed)
+        latents, cond = spec.dummy_inputs(config, batch=1, height=height, width=width,
+                                          num_frames=args.frames, text_len=args.text_len, seed=seed, **references)
         samples.append({"latents": latents[0], **{k: v[0] for k, v in cond.items()}})
     return samples
 
@@ -84,7 +97,7 @@ def _build(spec, args, device: torch.device) -> torch.nn.Module:
     return spec.build_transformer(args.variant, getattr(torch, args.dtype), str(device))
 
 
-def _bench_size(trainer: Trainer, prepared, mode: str, size: int, args, device: torch.device) -> list[dict]:
+def _bench_size(trainer: Trainer, prepared, mode: str, size: str, args, device: torch.device) -> list[dict]:
     """Every batch size at one image size.  The largest batch first runs ``--warmup`` untimed steps, so
     first-use costs of the new shapes (allocator growth, kernel choice) land on no timed batch size."""
     sampler = trainer.make_sampler(max(args.batch_size))
@@ -113,6 +126,7 @@ def bench_mode(spec, args, mode: str, device: torch.device, over_budget, record)
     train = TrainSection(lora_rank=args.rank, seed=0, gradient_checkpointing=args.checkpointing, device=str(device))
     options = OffloadSection(enable_model_cpu_offload=mode == "offload", prefetch=args.prefetch,
                              vram_budget_gb=args.vram_budget_gb)
+    dit_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     prepared = prepare_for_training(model, spec, train, options, device)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the device copies the offload engine freed
@@ -126,6 +140,10 @@ def bench_mode(spec, args, mode: str, device: torch.device, over_budget, record)
             samples = _samples(spec, model, args, size, count=2 * max(args.batch_size))
             trainer = Trainer(spec, model, samples, train, options, out, device=device, progress=False)
             runs += _bench_size(trainer, prepared, mode, size, args, device)
+            # The process's host peak so far (run offload first to read its own) against the DiT's bytes.
+            host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            runs[-1].update(host_peak_gb=round(host / 1e9, 2), dit_gb=round(dit_bytes / 1e9, 2),
+                            host_over_dit=round(host / dit_bytes, 3))
             record(runs)
     if prepared.offload is not None:
         prepared.offload.detach(restore_frozen=False)  # nothing reads the base afterwards
@@ -153,7 +171,10 @@ def main() -> None:
     parser.add_argument("--spec-variant", help="the family's variant (e.g. wan t2v-a14b: both experts in one run)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--sizes", type=_ints, default=[128], help="square image sizes in pixels, e.g. 512,1024")
+    parser.add_argument("--sizes", type=_sizes, default=["128"],
+                        help="image sizes in pixels: square (512,1024) or HxW (480x832)")
+    parser.add_argument("--references", type=int, default=None,
+                        help="edit variants: reference latents per sample, each of the target's size")
     parser.add_argument("--batch-size", type=_ints, default=[1], help="batch sizes compared in one run, e.g. 1,2,4")
     parser.add_argument("--modes", default="resident", help="resident,offload")
     parser.add_argument("--frames", type=int, default=1, help="video families only")
