@@ -10,7 +10,7 @@
 #   bench/h200_session.sh train_step            # s/sample per batch size, FLUX.1-dev and Qwen-Image
 #   bench/h200_session.sh ranks                 # on 2+ GPUs: offloaded torchrun training, 1 vs all ranks
 #   bench/h200_session.sh edit                  # Qwen-Image-Edit-2509: the 20B DiT with a reference at 1024^2
-#                                               # within 24 GB vs resident; stage 1 with two references in 8 GiB
+#                                               # within 24 GB vs resident; stage 1 (2 refs at 1024^2, 1328^2 + 3 refs in 8 GiB)
 #   bench/h200_session.sh wan22                 # Wan2.2: TI2V-5B at 121x704x1280 within 24 GB vs resident, its
 #                                               # stage 1 within 12 GiB; A14B both experts (81x480x832) vs one
 #   bench/h200_session.sh images2               # Z-Image (and FLUX.2 / Qwen-Image-2.1 where present) in 16 GB

@@ -52,13 +52,14 @@ GB = 1e9
 TARGETS = {"qwen_image": (1024, (1, 1328, 1328), 8.0), "flux": (1024, (1, 1024, 1024), 8.0),
            "wan": (None, (81, 480, 832), 12.0)}
 TINY = {"qwen_image": (64, (1, 96, 96), 0.0), "flux": (64, (1, 96, 96), 0.0), "wan": (None, (5, 64, 64), 0.0)}
-# Variants (``--families family:variant``): the edit issue's two references at 1024^2 within 8 GiB (the vision
-# tower sees each reference, the VAE encodes target and references); Wan2.2 TI2V-5B's umT5 and 16x VAE at
-# 121 frames of 704x1280 within 12 GiB.  variant -> (throughput side, memory sample, budget GB, references,
-# released encoder layout)
-VARIANTS = {"qwen_image:edit-2509": (1024, (1, 1024, 1024), 8.0, 2, "Qwen-Image"),
-            "wan:ti2v-5b": (None, (121, 704, 1280), 12.0, 0, "Wan2.2")}
-TINY_VARIANTS = {"qwen_image:edit-2509": (64, (1, 96, 96), 0.0, 2, None), "wan:ti2v-5b": (None, (5, 64, 64), 0.0, 0, None)}
+# Variants (``--families family:variant``): Edit-2509 with two references at 1024^2 (throughput) and a 1328^2
+# target with three references within 8 GiB (memory; the vision tower sees each reference, the VAE encodes
+# target and references); Wan2.2 TI2V-5B's umT5 and 16x VAE at 121 frames of 704x1280 within 12 GiB.
+# variant -> (throughput side, memory sample, budget GB, references (throughput, memory), released encoders)
+VARIANTS = {"qwen_image:edit-2509": (1024, (1, 1328, 1328), 8.0, (2, 3), "Qwen-Image"),
+            "wan:ti2v-5b": (None, (121, 704, 1280), 12.0, (0, 0), "Wan2.2")}
+TINY_VARIANTS = {"qwen_image:edit-2509": (64, (1, 96, 96), 0.0, (2, 3), None),
+                 "wan:ti2v-5b": (None, (5, 64, 64), 0.0, (0, 0), None)}
 WORDS = ("a photo of red blue green small large old young cat dog house tree river mountain city street "
          "at night in the morning under soft light with a wide lens detailed painting watercolor").split()
 
@@ -179,18 +180,20 @@ class Bench:
         self.family, _, spec_variant = name.partition(":")
         self.spec = get_family(self.family, spec_variant or None)
         if spec_variant:
-            self.side, self.memory_sample, self.budget, self.references, layout = (
+            self.side, self.memory_sample, self.budget, (self.references, self.memory_references), layout = (
                 TINY_VARIANTS if args.tiny else VARIANTS)[name]
         else:
             self.side, self.memory_sample, self.budget = (TINY if args.tiny else TARGETS)[name]
-            self.references, layout = 0, self.spec.encoder_variants[0]
+            self.references = self.memory_references = 0
+            layout = self.spec.encoder_variants[0]
         self.variant = None if args.tiny else layout
         self.model = self.spec.save_tiny_model(root / "model", 0)  # configs for identity; weights replaced
-        self.out = report.setdefault(name, {"variant": self.variant or "tiny", "references": self.references})
+        self.out = report.setdefault(name, {"variant": self.variant or "tiny", "references": self.references,
+                                            "memory_references": self.memory_references})
 
     def config(self, name: str, metadata: Path, side: int, dataset: dict | None = None, **preprocess_keys):
         keys = {"decode_workers": 4, "commit_every": 64, **preprocess_keys}
-        if self.references:  # the references at the target's area, as the edit pipelines resize them
+        if self.references or self.memory_references:  # references at the target's area, as the edit pipelines
             dataset = {"data_file_keys": ["image", "edit_image"], "reference_pixels": side * side, **(dataset or {})}
         return build_config({
             "dataset": {"metadata_path": str(metadata), "max_pixels": side * side, **(dataset or {})},
@@ -234,9 +237,10 @@ class Bench:
         keys = {"offload_encoders": True, "vram_budget_gb": self.budget, "batch_size": 4}
         with released_encoders(self.spec, self.variant, resident=False):
             if frames == 1:
-                warm = write_dataset(self.root / "memory-warm", 3, height, seed=3, references=self.references)
+                refs = self.memory_references
+                warm = write_dataset(self.root / "memory-warm", 4, height, seed=3, references=refs)
                 preprocess.run(self.config("memory-warm", warm, height, **keys), 0)  # loads the encoders
-                data = write_dataset(self.root / "memory", 4, height, seed=2, references=self.references)
+                data = write_dataset(self.root / "memory", 4, height, seed=2, references=refs)
                 result = run_once(self.config("memory", data, height, **keys))
             else:  # videos: straight through the engine (no video writer on the GPU machine)
                 result = self.video_memory(frames, height, width, keys)
