@@ -11,8 +11,10 @@
 #   bench/h200_session.sh ranks                 # on 2+ GPUs: offloaded torchrun training, 1 vs all ranks
 #   bench/h200_session.sh edit                  # Qwen-Image-Edit-2509: the 20B DiT with a reference at 1024^2
 #                                               # within 24 GB vs resident; stage 1 (2 refs at 1024^2, 1328^2 + 3 refs in 8 GiB)
-#   bench/h200_session.sh wan22                 # Wan2.2: TI2V-5B at 121x704x1280 within 24 GB vs resident, its
-#                                               # stage 1 within 12 GiB; A14B both experts (81x480x832) vs one
+#   bench/h200_session.sh ti2v                  # Wan2.2 TI2V-5B at 121x704x1280 within 24 GB vs resident, its
+#                                               # stage 1 within 12 GiB
+#   bench/h200_session.sh a14b                  # Wan2.2 T2V-A14B, both experts streamed in 24 GB (81x480x832)
+#                                               # vs one expert resident
 #   bench/h200_session.sh images2               # Z-Image (and FLUX.2 / Qwen-Image-2.1 where present) in 16 GB
 # MUSUBI_FILE is musubi-tuner's src/musubi_tuner/modules/custom_offloading_utils.py (not shipped here).
 # Install the carried wheels with --no-deps (pip --target resolves dependencies only among the wheels given):
@@ -83,12 +85,14 @@ edit)
   timeout "$(left)" python3 -m bench.preprocess --families qwen_image:edit-2509 --images 8 --batch 4 \
     --steps throughput,memory --out "$OUT/preprocess_edit_h200.json" > /dev/null
   ;;
-wan22)
+ti2v)
   timeout "$(left)" python3 bench/train_step.py --family wan --spec-variant ti2v-5b --variant Wan2.2-TI2V-5B \
     --frames 121 --sizes 704x1280 --text-len 512 --device cuda --dtype bfloat16 --modes offload,resident --rank 32 \
     --vram-budget-gb 24 --steps 2 --warmup 1 --out "$OUT/train_step_ti2v_h200.json" > /dev/null
   timeout "$(left)" python3 -m bench.preprocess --families wan:ti2v-5b --steps memory \
     --out "$OUT/preprocess_wan22_h200.json" > /dev/null
+  ;;
+a14b)
   # both experts streamed within 24 GB (offload first: the process's host peak is its own), then one expert resident
   timeout "$(left)" python3 bench/train_step.py --family wan --spec-variant t2v-a14b --variant Wan2.2-T2V-A14B \
     --frames 81 --sizes 480x832 --text-len 512 --device cuda --dtype bfloat16 --modes offload --rank 32 \
