@@ -15,7 +15,6 @@
 #                                               # stage 1 within 12 GiB
 #   bench/h200_session.sh a14b                  # Wan2.2 T2V-A14B, both experts streamed in 24 GB (81x480x832)
 #                                               # vs one expert resident
-#   bench/h200_session.sh images2               # Z-Image (and FLUX.2 / Qwen-Image-2.1 where present) in 16 GB
 # MUSUBI_FILE is musubi-tuner's src/musubi_tuner/modules/custom_offloading_utils.py (not shipped here).
 # Install the carried wheels with --no-deps (pip --target resolves dependencies only among the wheels given):
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
@@ -102,6 +101,6 @@ a14b)
     --steps 2 --warmup 1 --out "$OUT/train_step_a14b_resident_h200.json" > /dev/null
   ;;
 *)
-  sed -n '2,16p' "$0"; exit 2
+  sed -n '2,18p' "$0"; exit 2
   ;;
 esac
