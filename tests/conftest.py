@@ -15,6 +15,7 @@ os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="splitflow-prefect
 # the digest memo of the run, not the user's ~/.cache/splitflow
 os.environ.setdefault("SPLITFLOW_CACHE_DIR", tempfile.mkdtemp(prefix="splitflow-cache-"))
 
+import diffsynth_core  # noqa: E402,F401  (before torch: it fixes MKL's thread count, see its __init__)
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
