@@ -14,10 +14,11 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from diffsynth_core.models import wan22
+from diffsynth_core.models import wan22, wan_released
 from diffsynth_core.models.wan_released import umt5_to_native_t5
+
+from .released_layouts import _save_shards, _weights, wan_transformer_names, wan_vae_names
 
 # release -> its model id (the folder DiffSynth downloads it to)
 MODEL_IDS = {"wan-ti2v-5b": "Wan-AI/Wan2.2-TI2V-5B", "wan-i2v-a14b": "Wan-AI/Wan2.2-I2V-A14B",
@@ -29,12 +30,9 @@ _DIT = dict(patch_size=(1, 2, 2), num_attention_heads=1, attention_head_dim=128,
 
 # --- inverse conversions ----------------------------------------------------------------------------
 
-_RESIDUAL = {"norm1.gamma": "residual.0.gamma", "conv1.": "residual.2.", "norm2.gamma": "residual.3.gamma",
-             "conv2.": "residual.6.", "conv_shortcut.": "shortcut."}
-_FIXED = {"encoder.conv_in.": "encoder.conv1.", "decoder.conv_in.": "decoder.conv1.",
-          "encoder.norm_out.gamma": "encoder.head.0.gamma", "encoder.conv_out.": "encoder.head.2.",
-          "decoder.norm_out.gamma": "decoder.head.0.gamma", "decoder.conv_out.": "decoder.head.2.",
-          "quant_conv.": "conv1.", "post_quant_conv.": "conv2."}
+# the forward tables read backwards (the reference model's keys check both ways: test_released.py)
+_RESIDUAL = {ours: theirs for theirs, ours in wan_released._VAE_RESIDUAL.items()}
+_FIXED = {ours: theirs for theirs, ours in wan_released._VAE_FIXED.items()}
 
 
 def _swap(rest: str, table: dict[str, str]) -> str:
@@ -155,31 +153,13 @@ _PIPELINES = {"wan-ti2v-5b": _ti2v_5b, "wan-i2v-a14b": _i2v_a14b, "wan-i2v-14b":
 
 # --- DiffSynth's layout -----------------------------------------------------------------------------
 
-def _weights(folder: Path) -> dict:
-    from safetensors.torch import load_file
-
-    state = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        state.update(load_file(str(path)))
-    return state
-
-
 def _save_dit(state: dict, folder: Path, shards: int) -> None:
-    """The DiT with Wan's names, sharded as the 14B releases are (the input layer and the image embedder
+    """The DiT with Wan's names, in shards as the 14B releases are (the input layer and the image embedder
     then lie in different shards)."""
-    from .released_layouts import wan_transformer_names
-
-    native = wan_transformer_names(state)
-    keys = sorted(native)
-    folder.mkdir(parents=True, exist_ok=True)
-    for n in range(shards):
-        stem = "diffusion_pytorch_model" + (f"-{n + 1:05d}-of-{shards:05d}" if shards > 1 else "")
-        save_file({k: native[k].contiguous() for k in keys[n::shards]}, str(folder / f"{stem}.safetensors"))
+    _save_shards(wan_transformer_names(state), folder, "diffusion_pytorch_model", shards)
 
 
 def _write_layout(release: str, reference: Path, base: Path) -> None:
-    from .released_layouts import wan_vae_names
-
     base.mkdir(parents=True)
     torch.save(umt5_to_native_t5(_weights(reference / "text_encoder")), base / "models_t5_umt5-xxl-enc-bf16.pth")
     shutil.copytree(reference / "tokenizer", base / "google" / "umt5-xxl")
