@@ -58,7 +58,7 @@ def image_processor(components):
 
     size = components["image_encoder"].config.image_size
     return CLIPImageProcessorPil(size={"height": size, "width": size}, do_center_crop=False, image_mean=CLIP_MEAN,
-                              image_std=CLIP_STD)
+                                 image_std=CLIP_STD)
 
 
 def image_embeds(components, image: torch.Tensor, device: str) -> torch.Tensor:

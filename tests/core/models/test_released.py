@@ -83,10 +83,18 @@ def test_wan_releases_load_the_reference_model_and_tell_their_variant(release, r
         files = sorted((root / "models" / WAN_IDS[release]).glob(pattern))
         assert component in {fmt.component for _, fmt in released.recognise(FORMATS, files)}
         model = released.load_named(FORMATS["wan"], component, files, torch.float32)
-        ours, theirs = model.state_dict(), load_reference(root / "reference", reference_name, torch.float32).state_dict()
+        reference = load_reference(root / "reference", reference_name, torch.float32)
+        ours, theirs = model.state_dict(), reference.state_dict()
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), component
         if component.startswith("transformer"):
             assert {variant_of(f) for f in files} == {variants[release]}
+    if release == "wan-ti2v-5b":  # the diffusers-named Wan2.2 VAE without its config.json: config from the shapes
+        weights = [root / "reference" / "vae" / "diffusion_pytorch_model.safetensors"]
+        assert {(family, fmt.component) for family, fmt in released.recognise(FORMATS, weights)} == {("wan", "vae")}
+        vae = released.load_named(FORMATS["wan"], "vae", weights, torch.float32)
+        expected = load_reference(root / "reference", "vae", torch.float32)
+        assert _plain(vae.config) == _plain(expected.config)
+        assert all(torch.equal(v, expected.state_dict()[k]) for k, v in vae.state_dict().items())
 
 
 def test_bfl_table_agrees_with_diffusers_converter_at_flux1_width():
