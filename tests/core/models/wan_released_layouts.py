@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from diffsynth_core.models import wan22, wan_released
 from diffsynth_core.models.wan_released import umt5_to_native_t5
@@ -153,10 +154,14 @@ _PIPELINES = {"wan-ti2v-5b": _ti2v_5b, "wan-i2v-a14b": _i2v_a14b, "wan-i2v-14b":
 
 # --- DiffSynth's layout -----------------------------------------------------------------------------
 
-def _save_dit(state: dict, folder: Path, shards: int) -> None:
-    """The DiT with Wan's names, in shards as the 14B releases are (the input layer and the image embedder
-    then lie in different shards)."""
-    _save_shards(wan_transformer_names(state), folder, "diffusion_pytorch_model", shards)
+def _save_dit(state: dict, folder: Path, shards: int = 1) -> None:
+    """The DiT with Wan's names, one file or in shards as the 14B releases are (the input layer and the image
+    embedder then lie in different shards)."""
+    if shards > 1:
+        _save_shards(wan_transformer_names(state), folder, "diffusion_pytorch_model", shards)
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(wan_transformer_names(state), str(folder / "diffusion_pytorch_model.safetensors"))
 
 
 def _write_layout(release: str, reference: Path, base: Path) -> None:
@@ -170,8 +175,8 @@ def _write_layout(release: str, reference: Path, base: Path) -> None:
         return
     torch.save(wan_vae_names(vae), base / "Wan2.1_VAE.pth")
     if release == "wan-i2v-a14b":
-        _save_dit(_weights(reference / "transformer"), base / "high_noise_model", shards=1)
-        _save_dit(_weights(reference / "transformer_2"), base / "low_noise_model", shards=1)
+        _save_dit(_weights(reference / "transformer"), base / "high_noise_model")
+        _save_dit(_weights(reference / "transformer_2"), base / "low_noise_model")
         return
     _save_dit(_weights(reference / "transformer"), base, shards=2)
     torch.save(open_clip_visual_names(_weights(reference / "image_encoder")), base / CLIP_FILE)
