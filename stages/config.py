@@ -118,6 +118,9 @@ class DatasetSection(_Section):
     # own size floored to the multiple, at most reference_pixels).
     reference_size: Literal["family", "target", "own"] = "family"
     reference_pixels: int | None = Field(None, gt=0)
+    # A video row naming no reference image takes its own first frame as one (DiffSynth-Studio's
+    # `--extra_inputs input_image`: Wan2.2 TI2V-5B trains image-to-video); image-to-video models do so anyway.
+    first_frame_reference: bool = False
 
     @field_validator("background")
     @classmethod

@@ -10,6 +10,7 @@ each row repeated its source's number of times (docs/datasets.md).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from diffsynth_core.data import SampleDataset, load_metadata
@@ -48,7 +49,10 @@ def _size_rule(section: DatasetSection, source: DatasetSource) -> dict:
 
 def _reference_options(section: DatasetSection, source: DatasetSource, spec: FamilySpec) -> dict:
     """The family's reference rule and this source's sizing of references (docs/datasets.md)."""
-    return {"references": spec.references,
+    references = spec.references
+    if references is not None and section.first_frame_reference:
+        references = dataclasses.replace(references, first_frame_of_target=True)
+    return {"references": references,
             "reference_size": source.reference_size or section.reference_size,
             "reference_pixels": source.reference_pixels or section.reference_pixels,
             "reference_roots": [source.control_directory] if source.control_directory else []}

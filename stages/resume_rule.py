@@ -50,6 +50,7 @@ RULES: dict[str, Kind] = {
     "dataset.height": D, "dataset.width": D, "dataset.num_frames": D, "dataset.skip_bad_samples": D,
     "dataset.background": D, "dataset.allow_external_paths": D, "dataset.caption_extension": D,
     "dataset.sources": D, "dataset.reference_pixels": D, "dataset.reference_size": D,
+    "dataset.first_frame_reference": D,
     "dataset.repeat": F,  # an epoch's batches, which the checkpoint's epoch position counts
     # [model]
     "model.family": F, "model.variant": F,

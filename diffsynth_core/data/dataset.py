@@ -188,9 +188,10 @@ class SampleDataset(Dataset):
 
     def reference_settings(self, index: int) -> dict[str, Any]:
         """What changes the decoded references of row `index`, for its conditioning entry's key
-        ({} for a row without references, so such rows key as they would in a text-to-image family)."""
+        ({} for a row without references, so such rows key as they would in a text-to-image family; a row
+        whose video's first frame is its reference keys with the rule, so it never shares a text-to-video entry)."""
         try:
-            if self.references is None or not self._reference_cells(index):
+            if self.references is None or not (self._reference_cells(index) or self.references.first_frame_of_target):
                 return {}
         except DatasetError:
             return {}  # the row is bad: load() reports it

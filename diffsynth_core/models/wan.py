@@ -1,10 +1,10 @@
 """Wan text-to-video: ``WanPipeline`` components, Wan2.1 (1.3B and 14B) and, as variants, Wan2.2.
 
-Variants (``model.variant``, else told by the folder's ``model_index.json``: ``wan22.variant_of``):
-``t2v`` (Wan2.1, the base), ``ti2v-5b`` (48-channel DiT, Wan2.2 VAE at 16x, one timestep per token;
-an optional first frame), ``t2v-a14b`` (two experts, ``transformer`` above the boundary sigma,
-``transformer_2`` below), and the image-to-video ``i2v`` (Wan2.1 I2V 14B, with CLIP) and ``i2v-a14b``
-(models/wan_i2v.py).
+Variants (``model.variant``, else told by the folder's ``model_index.json`` or the DiT file's shapes:
+``wan22.variant_of``): ``t2v`` (Wan2.1, the base), ``ti2v-5b`` (48-channel DiT, Wan2.2 VAE at 16x, one
+timestep per token; an optional first frame), ``t2v-a14b`` (two experts, ``transformer`` above the
+boundary sigma, ``transformer_2`` below), and the image-to-video ``i2v`` (Wan2.1 I2V 14B, with CLIP),
+``i2v-a14b`` and ``i2v-a14b-expert`` (one of its experts alone) (models/wan_i2v.py).
 
 Conventions (diffusers 0.42):
 * prompt: UMT5 last hidden state cut at the prompt's true length and zero-padded to
@@ -55,6 +55,11 @@ _NATIVE_ROOT = {
     "condition_embedder.text_embedder.linear_1": "text_embedding.0",
     "condition_embedder.text_embedder.linear_2": "text_embedding.2",
     "condition_embedder.time_proj": "time_projection.1",
+    # Wan2.1 I2V's CLIP image embedder (diffusers' convert_wan_transformer_to_diffusers, inverted)
+    "condition_embedder.image_embedder.norm1": "img_emb.proj.0",
+    "condition_embedder.image_embedder.ff.net.0.proj": "img_emb.proj.1",
+    "condition_embedder.image_embedder.ff.net.2": "img_emb.proj.3",
+    "condition_embedder.image_embedder.norm2": "img_emb.proj.4",
 }
 # Diffusers -> native pieces inside ``blocks.N.`` (the inverse of diffusers' converter; norm2/norm3 swap).
 _NATIVE_BLOCK = {
@@ -149,7 +154,8 @@ def save_tiny_model(out_dir: Path, seed: int = 0, *, variant: str = "t2v") -> Pa
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, UMT5Config, UMT5EncoderModel
 
     tokenizer = tiny_tokenizers.t5_tokenizer()
-    layout = {"ti2v-5b": "tiny-ti2v", "i2v": "tiny-i2v", "i2v-a14b": "tiny-i2v-a14b"}.get(variant, "tiny")
+    layout = {"ti2v-5b": "tiny-ti2v", "i2v": "tiny-i2v", "i2v-a14b": "tiny-i2v-a14b",
+              "i2v-a14b-expert": "tiny-i2v-a14b"}.get(variant, "tiny")
     extra: dict[str, Any] = {}
     with MODEL_INIT_LOCK, torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -184,7 +190,7 @@ def save_tiny_model(out_dir: Path, seed: int = 0, *, variant: str = "t2v") -> Pa
 
 def load_components(path: Path, names: tuple[str, ...], dtype: torch.dtype, device: str) -> Components:
     return _load_components(path, names, dtype, device,
-                            allowed=ENCODER_COMPONENTS + EXPERT_COMPONENTS + wan_i2v.IMAGE_COMPONENTS)
+                            allowed=ENCODER_COMPONENTS + EXPERT_COMPONENTS + wan_i2v.FOLDER_IMAGE_COMPONENTS)
 
 
 def load_encoders(path: Path, dtype: torch.dtype, *, names: tuple[str, ...] = ENCODER_COMPONENTS) -> Components:
@@ -399,10 +405,18 @@ VARIANTS = {
     ),
     "i2v": dict(
         encoder_components=ENCODER_COMPONENTS + wan_i2v.IMAGE_COMPONENTS,
-        load_encoders=functools.partial(load_encoders, names=ENCODER_COMPONENTS + wan_i2v.IMAGE_COMPONENTS),
+        load_encoders=functools.partial(load_encoders, names=ENCODER_COMPONENTS + wan_i2v.FOLDER_IMAGE_COMPONENTS),
         references=_I2V_REFERENCE, encode_references=wan_i2v.encode_concatenated,
         dit_forward=functools.partial(dit_forward, concatenated_image=True),
         save_tiny_model=functools.partial(save_tiny_model, variant="i2v"), pipeline_class_name=I2V_PIPELINE_CLASS,
+    ),
+    # One I2V-A14B expert trained alone (DiffSynth's one-expert-per-run scripts; musubi's i2v-A14B with one
+    # --dit): a 36-channel DiT without CLIP, its sigmas from train.sigma_range, as "t2v" is for a T2V expert.
+    "i2v-a14b-expert": dict(
+        references=_I2V_REFERENCE, encode_references=wan_i2v.encode_concatenated,
+        dit_forward=functools.partial(dit_forward, concatenated_image=True),
+        save_tiny_model=functools.partial(save_tiny_model, variant="i2v-a14b-expert"),
+        pipeline_class_name=I2V_PIPELINE_CLASS,
     ),
     "i2v-a14b": dict(
         experts=_experts(wan22.BOUNDARY_RATIO["i2v-a14b"]),

@@ -1,4 +1,4 @@
-"""Wan2.2 as data: the layouts its variants of the ``wan`` family differ in, and how a folder tells them.
+"""Wan2.2 as data: the layouts its variants of the ``wan`` family differ in, and how a folder or a DiT file tells them.
 
 * **TI2V-5B**: a 48-channel DiT (24 heads of 128, 30 blocks) over the Wan2.2 VAE (16x spatial,
   4x temporal, 48 channels: its encoder takes 2x2 pixel patches, 12 channels in), with one timestep
@@ -13,9 +13,11 @@ The VAE's latent statistics are the release's (DiffSynth-Studio diffsynth/models
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from .loading import read_model_index_file
+from .weight_files import is_weight_file, read_shapes
 
 
 # Wan2.2 VAE normalisation (z - mean) / std, per latent channel.
@@ -47,26 +49,54 @@ VAE22_TINY = dict(VAE22, base_dim=8, decoder_base_dim=8, num_res_blocks=1)
 # The A14B experts switch at t = boundary_ratio * 1000 (the releases' model_index.json).
 BOUNDARY_RATIO = {"t2v-a14b": 0.875, "i2v-a14b": 0.900}
 
-# Which variant a diffusers folder is, from its model_index.json: (pipeline, two experts, per-token t).
+# Which variant a diffusers folder is, from its model_index.json: (pipeline, two experts, per-token t, a CLIP tower).
 _VARIANT_OF_INDEX = {
-    ("WanPipeline", False, False): "t2v",
-    ("WanPipeline", False, True): "ti2v-5b",
-    ("WanPipeline", True, False): "t2v-a14b",
-    ("WanImageToVideoPipeline", False, False): "i2v",
-    ("WanImageToVideoPipeline", False, True): "ti2v-5b",
-    ("WanImageToVideoPipeline", True, False): "i2v-a14b",
+    ("WanPipeline", False, False, False): "t2v",
+    ("WanPipeline", False, True, False): "ti2v-5b",
+    ("WanPipeline", True, False, False): "t2v-a14b",
+    ("WanImageToVideoPipeline", False, False, True): "i2v",
+    ("WanImageToVideoPipeline", False, False, False): "i2v-a14b-expert",
+    ("WanImageToVideoPipeline", False, True, False): "ti2v-5b",
+    ("WanImageToVideoPipeline", True, False, False): "i2v-a14b",
 }
+# Which variant a DiT file is, from its shapes: (input channels, a CLIP image embedder), as DiffSynth-Studio's
+# configs/model_configs.py tells its files apart (``in_dim``, ``has_image_input``).  One expert of an A14B
+# release is a single DiT: a T2V expert is Wan2.1 T2V's layout, an I2V expert has no image embedder.
+_VARIANT_OF_DIT = {(16, False): "t2v", (48, False): "ti2v-5b", (36, True): "i2v", (36, False): "i2v-a14b-expert"}
+_IMAGE_EMBEDDER = ("img_emb.proj.0.weight", "condition_embedder.image_embedder.norm1.weight")
+_SHARD = re.compile(r"^(?P<stem>.+)-\d{5}-of-(?P<total>\d{5})\.safetensors$")
 
 
 def variant_of(path: Path | None) -> str | None:
-    """The ``wan`` variant a diffusers folder holds (its ``model_index.json``); a folder without one
-    (files as released, or no folder) is Wan2.1 T2V, the family's base layout, as before variants."""
-    index = Path(path) / "model_index.json" if path else None
+    """The ``wan`` variant a diffusers folder holds (its ``model_index.json``) or a DiT file is (its shapes); a
+    place without either (no folder, or files not there yet) is Wan2.1 T2V, the family's base layout."""
+    path = Path(path) if path else None
+    if path is not None and path.is_file() and is_weight_file(path):
+        return _variant_of_dit(read_shapes(_shard_group(path)))
+    index = path / "model_index.json" if path else None
     if index is None or not index.is_file():
         return "t2v"
     raw = read_model_index_file(Path(path))  # unreadable: one line naming the file
-    if raw.get("_class_name") not in {pipeline for pipeline, _, _ in _VARIANT_OF_INDEX}:
+    if raw.get("_class_name") not in {key[0] for key in _VARIANT_OF_INDEX}:
         return "t2v"  # another family's folder: loading it names the mismatch (check_model_folder)
     experts = raw.get("transformer_2", [None])[0] is not None and raw.get("boundary_ratio") is not None
-    key = (raw.get("_class_name"), experts, bool(raw.get("expand_timesteps")))
-    return _VARIANT_OF_INDEX.get(key)
+    clip = raw.get("image_encoder", [None])[0] is not None
+    return _VARIANT_OF_INDEX.get((raw.get("_class_name"), experts, bool(raw.get("expand_timesteps")), clip))
+
+
+def _shard_group(path: Path) -> list[Path]:
+    """A DiT shard with its siblings (``stem-0000N-of-0000M.safetensors``): the input layer and the image
+    embedder may lie in different shards."""
+    match = _SHARD.match(path.name)
+    if match is None:
+        return [path]
+    return sorted(path.parent.glob(f"{match['stem']}-*-of-{match['total']}.safetensors"))
+
+
+def _variant_of_dit(shapes) -> str | None:
+    """None: not a whole Wan DiT (another component's file, a shard set missing its input layer) or a layout
+    no variant has (Fun-Control's 52 channels, ...): the caller asks for ``model.variant``."""
+    if "patch_embedding.weight" not in shapes:
+        return None
+    image = any(name in shapes for name in _IMAGE_EMBEDDER)
+    return _VARIANT_OF_DIT.get((shapes["patch_embedding.weight"][1], image))

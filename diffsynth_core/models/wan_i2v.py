@@ -23,7 +23,12 @@ import torch
 
 from .latents import per_channel_normalised_modes
 
-IMAGE_COMPONENTS = ("image_encoder", "image_processor")
+# The CLIP tower identifies and conditions (an encoder component); a diffusers folder's image processor is
+# loaded beside it, and Wan's released .pth brings none (``image_processor`` below).
+IMAGE_COMPONENTS = ("image_encoder",)
+FOLDER_IMAGE_COMPONENTS = ("image_encoder", "image_processor")
+# OpenAI CLIP's pixel statistics, which Wan's clip.py normalises with
+CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 
 
 def first_frame_mask(frames: int, height: int, width: int, temporal: int = 4) -> torch.Tensor:
@@ -42,10 +47,24 @@ def _to_pil(image: torch.Tensor):
     return Image.fromarray(array)
 
 
+def image_processor(components):
+    """The folder's processor (diffusers' pipeline: shortest side to the tower's size, centre crop); for Wan's
+    released CLIP, which brings none, Wan's own preprocessing: the image squeezed to the tower's square
+    (bicubic) and normalised with CLIP's statistics (Wan's clip.py ``visual``; DiffSynth-Studio
+    wan_video_image_encoder.py ``encode_image``)."""
+    if components.get("image_processor") is not None:
+        return components["image_processor"]
+    from transformers import CLIPImageProcessorPil  # PIL's bicubic, whichever backends are installed
+
+    size = components["image_encoder"].config.image_size
+    return CLIPImageProcessorPil(size={"height": size, "width": size}, do_center_crop=False, image_mean=CLIP_MEAN,
+                                 image_std=CLIP_STD)
+
+
 def image_embeds(components, image: torch.Tensor, device: str) -> torch.Tensor:
     """CLIP's penultimate hidden states of the image, ``(257, 1280)`` for the release (``encode_image``)."""
     encoder = components["image_encoder"]
-    inputs = components["image_processor"](images=_to_pil(image), return_tensors="pt").to(device)
+    inputs = image_processor(components)(images=_to_pil(image), return_tensors="pt").to(device)
     with torch.no_grad():
         hidden = encoder(pixel_values=inputs["pixel_values"].to(encoder.dtype), output_hidden_states=True)
     return hidden.hidden_states[-2][0]

@@ -55,8 +55,8 @@ FLAGS: dict[str, Flag] = {
     "tokenizer_path": Flag(), "tokenizer_1_path": Flag(), "tokenizer_2_path": Flag(),
     "processor_path": Flag(noop="Qwen-Image-Edit's processor; text-to-image training does not use it"),
     "audio_processor_path": Flag(noop="Wan2.2-S2V's audio processor; text-to-video training does not use it"),
-    # Pipeline inputs read from dataset columns: the reference columns only (checked in _check_extra_inputs);
-    # the dataset reads them as each row's reference images whenever the model takes references.
+    # Pipeline inputs read from a row: the reference columns (the dataset reads them as each row's reference
+    # images whenever the model takes references) and those EXTRA_INPUTS names; others refused (_check_extra_inputs).
     "extra_inputs": Flag("list"),
     "fp8_models": Flag(refuse="FP8 weights are not supported; use offload.storage_dtype or enable_model_cpu_offload"),
     "offload_models": Flag(noop="preprocess streams the encoders from host memory by itself "
@@ -113,6 +113,10 @@ FLAGS: dict[str, Flag] = {
     "model_base_path": Flag(),  # where DiffSynth keeps downloads; default $DIFFSYNTH_MODEL_BASE_PATH or ./models
     **{f"dmd2_{name}": Flag(refuse="DMD2 distillation is not supported") for name in _DMD2},
 }
+
+# --extra_inputs a row gives without a column of its own -> the config setting that reads it so
+# (examples/wanvideo/model_training/train.py parse_extra_inputs: input_image is the video's first frame).
+EXTRA_INPUTS = {"input_image": ("dataset.first_frame_reference", True)}
 
 # --task (DiffSynth's launcher_map) -> the verb that does that work.
 TASKS = {"sft": None, "sft:data_process": "preprocess", "sft:train": "train"}
@@ -205,14 +209,24 @@ def _check_refused(flags: dict[str, str]) -> None:
         raise ConfigError(f"DiffSynth-Studio flag(s) splitflow cannot honour: {'; '.join(refused)}")
 
 
+def _extra_inputs(flags: dict[str, str]) -> list[str]:
+    return _value(FLAGS["extra_inputs"], flags.get("extra_inputs", ""))
+
+
 def _check_extra_inputs(flags: dict[str, str]) -> None:
-    """``--extra_inputs``: reference-image columns are cached (stage 1 encodes them); others are refused."""
+    """``--extra_inputs``: reference images are cached (stage 1 encodes them); other inputs are refused."""
     from diffsynth_core.data.references import REFERENCE_COLUMNS, is_reference_column
 
-    others = [name for name in _value(FLAGS["extra_inputs"], flags.get("extra_inputs", "")) if not is_reference_column(name)]
+    others = [name for name in _extra_inputs(flags) if not is_reference_column(name) and name not in EXTRA_INPUTS]
     if others:
         raise ConfigError(f"--extra_inputs {','.join(others)}: splitflow caches reference images only "
-                          f"({', '.join(REFERENCE_COLUMNS)}); {_IMAGE_ONLY}")
+                          f"({', '.join(REFERENCE_COLUMNS + tuple(EXTRA_INPUTS))}); {_IMAGE_ONLY}")
+
+
+def _apply_extra_inputs(data: dict, flags: dict[str, str]) -> None:
+    for name in _extra_inputs(flags):
+        if name in EXTRA_INPUTS:
+            apply_override(data, *EXTRA_INPUTS[name])
 
 
 def _print_notices(flags: dict[str, str]) -> None:
@@ -399,6 +413,7 @@ def run_config_from_cli(config: str | None, sets: list[str], tokens: list[str], 
     data = read_config_file(config) if config else {}
     defaults = config is None
     _apply_mapped(data, flags, defaults)
+    _apply_extra_inputs(data, flags)
     family = _apply_models(data, flags, list(sets), defaults)
     _apply_training(data, flags, defaults, family, stage)
     _apply_family_defaults(data, flags, defaults, family)

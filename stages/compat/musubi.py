@@ -212,19 +212,23 @@ def expand_dataset_config(data: dict[str, Any]) -> dict[str, Any]:
 
 # musubi's --task -> the wan variant; the A14B tasks with --dit_high_noise train both experts in one run.
 WAN_TASKS = {"t2v-14B": "t2v", "t2v-1.3B": "t2v", "i2v-14B": "i2v", "t2v-A14B": "t2v-a14b", "i2v-A14B": "i2v-a14b"}
-# The one-DiT layout of each A14B task: one expert's DiT alone is a Wan2.1-14B-shaped DiT.
-_ONE_EXPERT = {"t2v-a14b": "t2v"}
+# The one-DiT layout of each A14B task: one T2V expert alone is a Wan2.1-14B-shaped DiT, one I2V expert a
+# 36-channel DiT without CLIP.  I2V tasks take each clip's first frame as the image (wan_cache_latents.py --i2v).
+_ONE_EXPERT = {"t2v-a14b": "t2v", "i2v-a14b": "i2v-a14b-expert"}
+# musubi's model flags -> the component each loads (--clip: Wan2.1 I2V's CLIP, which Wan2.2 does not use)
+_MODEL_FLAGS = {"t5": "text_encoder", "vae": "vae", "clip": "image_encoder"}
 
 
 def wan_training_overrides(flags: dict[str, str], tokenizer: str | Path | None = None) -> list[str]:
     """``section.key=value`` overrides for musubi's Wan model and timestep flags.
 
     ``--dit`` (the low-noise DiT when ``--dit_high_noise`` gives the high-noise one: both experts in one
-    run), ``--t5``, ``--vae`` -> ``model.sources``; ``--timestep_boundary`` (0-1000, or a fraction; the
-    task's own by default) -> ``model.boundary_ratio``; ``--min_timestep`` / ``--max_timestep`` (0-1000)
-    -> ``train.sigma_range``.  ``tokenizer``: umT5's tokenizer folder (musubi fetches it from the hub;
-    splitflow never downloads).  musubi draws one timestep per batch to pick the expert and redraws each
-    sample onto its side; splitflow splits the batch instead (docs/training.md, "Experts")."""
+    run), ``--t5``, ``--vae``, ``--clip`` (Wan2.1 I2V) -> ``model.sources``; ``--timestep_boundary``
+    (0-1000, or a fraction; the task's own by default) -> ``model.boundary_ratio``; ``--min_timestep`` /
+    ``--max_timestep`` (0-1000) -> ``train.sigma_range``.  ``tokenizer``: umT5's tokenizer folder (musubi
+    fetches it from the hub; splitflow never downloads).  musubi draws one timestep per batch to pick the
+    expert and redraws each sample onto its side; splitflow splits the batch instead (docs/training.md,
+    "Experts")."""
     task = flags.get("task", "t2v-14B")
     if task not in WAN_TASKS:
         raise InputError(f"musubi --task {task}: splitflow trains the Wan tasks {', '.join(WAN_TASKS)}")
@@ -232,16 +236,14 @@ def wan_training_overrides(flags: dict[str, str], tokenizer: str | Path | None =
     if not flags.get("dit"):
         raise InputError("musubi flags: --dit is missing (the DiT checkpoint to train)")
     high = flags.get("dit_high_noise")
-    if high and variant not in ("t2v-a14b", "i2v-a14b"):
+    if high and variant not in _ONE_EXPERT:
         raise InputError(f"musubi --dit_high_noise: --task {task} has one DiT; use t2v-A14B or i2v-A14B")
-    if not high and variant in ("t2v-a14b", "i2v-a14b"):
-        if variant not in _ONE_EXPERT:
-            raise InputError(f"musubi --task {task} without --dit_high_noise: give both experts' DiTs")
+    if not high and variant in _ONE_EXPERT:
         variant = _ONE_EXPERT[variant]  # one expert: its sigmas come from --min/--max_timestep
     sources = {"transformer": high or flags["dit"]}
     if high:
         sources["transformer_2"] = flags["dit"]
-    sources.update({name: flags[flag] for flag, name in (("t5", "text_encoder"), ("vae", "vae")) if flags.get(flag)})
+    sources.update(_model_files(flags, variant, task))
     if tokenizer is not None:
         sources["tokenizer"] = str(tokenizer)
     out.append(f"model.variant={variant!r}")
@@ -254,6 +256,18 @@ def wan_training_overrides(flags: dict[str, str], tokenizer: str | Path | None =
         top = _fraction(flags.get("max_timestep", "1000"), "--max_timestep", whole=True)
         out.append(f"train.sigma_range=[{low}, {top}]")
     return out
+
+
+def _model_files(flags: dict[str, str], variant: str, task: str) -> dict[str, str]:
+    """The encoders' files the flags give, those the variant loads; a CLIP the variant needs but lacks is refused,
+    as musubi refuses it ("CLIP path is required for I2V training")."""
+    from diffsynth_core.models import get_family
+
+    wanted = get_family("wan", variant).encoder_components
+    if "image_encoder" in wanted and not flags.get("clip"):
+        raise InputError(f"musubi --task {task}: --clip is missing (Wan2.1 I2V's "
+                         "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth)")
+    return {name: flags[flag] for flag, name in _MODEL_FLAGS.items() if flags.get(flag) and name in wanted}
 
 
 def _fraction(raw: str, flag: str, whole: bool = False) -> float:

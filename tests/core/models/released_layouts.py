@@ -260,7 +260,12 @@ def _write_diffsynth_layout(family: str, reference: Path, root: Path) -> None:
 
 
 def build_release(family: str, root: Path, seed: int = 0) -> Path:
-    """Write ``root/reference`` (diffusers layout) and ``root/models/<model_id>/...`` (DiffSynth's); returns root."""
+    """Write ``root/reference`` (diffusers layout) and ``root/models/<model_id>/...`` (DiffSynth's); returns root.
+    ``family`` may also name a Wan release of wan_released_layouts.py (``wan-ti2v-5b`` ...)."""
+    from .wan_released_layouts import MODEL_IDS as WAN_RELEASES, build_wan_release
+
+    if family in WAN_RELEASES:
+        return build_wan_release(family, root, seed)
     with MODEL_INIT_LOCK, torch.random.fork_rng():
         torch.manual_seed(seed)
         components = _BUILDERS[family]()

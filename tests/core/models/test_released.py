@@ -58,6 +58,45 @@ def test_released_files_load_the_reference_model(family, released_models):
                    {k: v for k, v in diffusers_config.items() if v is not None and k in _plain(model.config)}
 
 
+# Wan releases beyond Wan2.1 T2V (wan_released_layouts.py): component -> (files, the reference folder's component)
+WAN_RELEASE_FILES = {
+    "wan-ti2v-5b": {"transformer": ("diffusion_pytorch_model*.safetensors", "transformer"),
+                    "vae": ("Wan2.2_VAE.pth", "vae")},
+    "wan-i2v-a14b": {"transformer": ("high_noise_model/*.safetensors", "transformer"),
+                     "transformer_2": ("low_noise_model/*.safetensors", "transformer_2")},
+    "wan-i2v-14b": {"transformer": ("diffusion_pytorch_model*.safetensors", "transformer"),
+                    "image_encoder": ("models_clip_*.pth", "image_encoder")},
+}
+
+
+@pytest.mark.parametrize("release", WAN_RELEASE_FILES)
+def test_wan_releases_load_the_reference_model_and_tell_their_variant(release, released_models):
+    """The Wan2.2 VAE (Wan's nested names), Wan2.1 I2V's DiT and CLIP (open-clip's names) load the diffusers
+    reference; each DiT's files tell its variant, shards read together."""
+    from diffsynth_core.models.wan22 import variant_of
+
+    from .wan_released_layouts import MODEL_IDS as WAN_IDS
+
+    root = released_models(release)
+    variants = {"wan-ti2v-5b": "ti2v-5b", "wan-i2v-a14b": "i2v-a14b-expert", "wan-i2v-14b": "i2v"}
+    for component, (pattern, reference_name) in WAN_RELEASE_FILES[release].items():
+        files = sorted((root / "models" / WAN_IDS[release]).glob(pattern))
+        assert component in {fmt.component for _, fmt in released.recognise(FORMATS, files)}
+        model = released.load_named(FORMATS["wan"], component, files, torch.float32)
+        reference = load_reference(root / "reference", reference_name, torch.float32)
+        ours, theirs = model.state_dict(), reference.state_dict()
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), component
+        if component.startswith("transformer"):
+            assert {variant_of(f) for f in files} == {variants[release]}
+    if release == "wan-ti2v-5b":  # the diffusers-named Wan2.2 VAE without its config.json: config from the shapes
+        weights = [root / "reference" / "vae" / "diffusion_pytorch_model.safetensors"]
+        assert {(family, fmt.component) for family, fmt in released.recognise(FORMATS, weights)} == {("wan", "vae")}
+        vae = released.load_named(FORMATS["wan"], "vae", weights, torch.float32)
+        expected = load_reference(root / "reference", "vae", torch.float32)
+        assert _plain(vae.config) == _plain(expected.config)
+        assert all(torch.equal(v, expected.state_dict()[k]) for k, v in vae.state_dict().items())
+
+
 def test_bfl_table_agrees_with_diffusers_converter_at_flux1_width():
     """diffusers' converter hard-codes FLUX.1's width; compare at that width with 1-column tensors."""
     from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers

@@ -32,7 +32,7 @@ def test_each_folder_tells_its_variant(ti2v_dir, a14b_dir, tmp_path):
     wan21 = get_family("wan").save_tiny_model(tmp_path / "wan21", 0)
     assert variant_of(wan21) == "t2v"
     assert variant_of(None) == "t2v"  # files as released, no folder: Wan2.1's layout as before
-    for variant in ("i2v", "i2v-a14b"):
+    for variant in ("i2v", "i2v-a14b", "i2v-a14b-expert"):  # with CLIP, two experts, one expert alone
         folder = get_family("wan", variant).save_tiny_model(tmp_path / variant, 0)
         assert variant_of(folder) == variant
 
