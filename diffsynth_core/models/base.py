@@ -190,6 +190,9 @@ class FamilySpec:
     # The VAE takes RGBA (Qwen-Image-2.1): targets keep their alpha, RGB files get an opaque one, and
     # ``encode_pixels`` takes (4, F, H, W); references follow ``ReferenceRule.alpha``.
     vae_rgba: bool = False
+    # Targets are cropped to multiples of this many pixels: the VAE's down-sampling times the DiT's patch
+    # (16 for the 8x VAEs with 2x2 patches; Qwen-Image-2.1: 16x VAE, its prompt slots 2x2 latents).
+    pixel_multiple: int = 16
     # ``model.<key>`` settings the family applies to its loaded transformer, key -> apply(transformer,
     # value) -> transformer (Edit-2511's ``zero_cond_t``); an unset (None) key leaves it as loaded.
     transformer_options: Mapping[str, Callable[[torch.nn.Module, Any], torch.nn.Module]] = field(default_factory=dict)

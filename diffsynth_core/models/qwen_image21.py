@@ -436,4 +436,5 @@ SPEC = FamilySpec(
     references=ReferenceRule(max_count=None, vae_area=REFERENCE_AREA, vae_multiple=PIXEL_MULTIPLE,
                              text_area=REFERENCE_AREA, text_multiple=PIXEL_MULTIPLE, alpha=True, text_at_vae_size=True),
     vae_rgba=True,
+    pixel_multiple=PIXEL_MULTIPLE,
 )
