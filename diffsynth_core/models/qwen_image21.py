@@ -51,7 +51,7 @@ NEXT_IMAGE = " <image{}><|vision_start|><|image_pad|><|vision_end|>"
 TRANSFORMER_CLASS = "QwenImage21Transformer2DModel"
 TRANSFORMER_CONFIGS = {
     "tiny": dict(patch_size=1, in_channels=64, out_channels=64, num_layers=2, attention_head_dim=32,
-                 num_attention_heads=2, context_in_dim=32, mlp_ratio=3, axes_dims_rope=(4, 14, 14)),
+                 num_attention_heads=2, context_in_dim=128, mlp_ratio=3, axes_dims_rope=(4, 14, 14)),
     # Qwen/Qwen-Image-2.1 transformer/config.json: 7.0 B parameters
     "Qwen-Image-2.1": dict(patch_size=1, in_channels=64, out_channels=64, num_layers=32, attention_head_dim=128,
                            num_attention_heads=32, context_in_dim=4096, mlp_ratio=3, axes_dims_rope=(16, 56, 56),
@@ -96,13 +96,13 @@ def _before_final_norm(language_model: torch.nn.Module):
 
 def _check_slots(grid: torch.Tensor, images: list, processor) -> None:
     """Each image must reach the vision tower at its own size: its slots then cover its latents 2x2."""
-    patch = processor.image_processor.patch_size
+    patch, size = processor.image_processor.patch_size, processor.image_processor.size
     for (_, rows, cols), image in zip(grid.tolist(), images):
         if (rows * patch, cols * patch) != (image.height, image.width):
-            size = processor.image_processor.size
             raise InputError(f"a {image.width}x{image.height} reference becomes {cols * patch}x{rows * patch} in the "
-                             f"processor (it keeps {size}); Qwen-Image-2.1 needs the vision tower and the VAE to see "
-                             f"one size: give references of at least that many pixels (dataset.reference_pixels)")
+                             f"processor, which keeps images of {size['shortest_edge']} to {size['longest_edge']} "
+                             f"pixels as they are; Qwen-Image-2.1 needs the vision tower and the VAE to see one size: "
+                             f"set dataset.reference_pixels within that range")
 
 
 # --- encoding ------------------------------------------------------------------------------------
@@ -294,16 +294,18 @@ def _vision_token_ids(tokenizer) -> dict[str, int]:
 
 
 def _tiny_text_encoder(tokenizer):
-    """Tiny Qwen3-VL (vision tower with one deepstack merger, interleaved M-RoPE) on the tiny vocabulary."""
+    """Tiny Qwen3-VL with the release's facts its config is inferred with (qwen_image21_released): 128-wide
+    heads with the release's M-RoPE split, 72-wide vision heads, deepstack mergers after vision blocks 8, 16
+    and 24 of 25, so that a DiffSynth-style download of it (no config.json) loads as it was saved."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
+    from .qwen_image21_released import TEXT_FACTS, VISION_FACTS
+
     config = Qwen3VLConfig(
-        text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=16, vocab_size=len(tokenizer),
-                         rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [2, 3, 3],
-                                          "mrope_interleaved": True}),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32,
-                           patch_size=16, num_position_embeddings=16, deepstack_visual_indexes=[0]),
+        text_config=dict(TEXT_FACTS, hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=1,
+                         num_key_value_heads=1, head_dim=128, vocab_size=len(tokenizer)),
+        vision_config=dict(VISION_FACTS, depth=25, hidden_size=72, intermediate_size=32, num_heads=1,
+                           out_hidden_size=128, patch_size=16, num_position_embeddings=16),
         **_vision_token_ids(tokenizer))
     return Qwen3VLForConditionalGeneration(config)
 
