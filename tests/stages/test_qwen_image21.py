@@ -87,3 +87,27 @@ def test_a_batch_of_edit_and_text_to_image_rows_trains(run):
     assert len(rows) == 3 and all(float(r["loss"]) > 0 for r in rows)
     assert any("+" in r["bucket"] for r in rows)  # target+reference buckets
     assert (cfg.output_dir / "lora_comfyui.safetensors").is_file()
+
+
+def test_a_musubi_toml_with_control_directory_gives_rgba_controls_in_order(tmp_path):
+    """musubi-tuner's Qwen-Image-2.1 dataset: same-stem controls (name_0, name_1) in their order, at multiples
+    of 32, RGBA for the VAE (RGB files opaque) and the same pixels over white for the vision tower."""
+    from stages.config import build_config
+    from stages.datasets import open_dataset
+
+    images, controls = tmp_path / "images", tmp_path / "controls"
+    images.mkdir(), controls.mkdir()
+    _image(images / "cat.png", "RGB", (96, 64), "red")
+    (images / "cat.txt").write_text("put the cat on the sofa")
+    _image(controls / "cat_1.png", "RGB", (64, 64), "blue")
+    _image(controls / "cat_0.png", "RGBA", (96, 64), (0, 200, 0, 100))
+    toml = tmp_path / "dataset.toml"
+    toml.write_text(f'[general]\nresolution = [96, 64]\nenable_bucket = true\n[[datasets]]\n'
+                    f'image_directory = "{images}"\ncontrol_directory = "{controls}"\ncontrol_resolution = [64, 64]\n')
+    cfg = build_config({"dataset": {"metadata_path": str(toml)}, "model": {"family": "qwen_image21"}})
+    sample = open_dataset(cfg.dataset, SPEC).load(0)
+    assert [p.name for p in sample.files] == ["cat.png", "cat_0.png", "cat_1.png"]
+    assert sample.pixels.shape[0] == 4 and [r.shape[0] for r in sample.references] == [4, 4]
+    assert sample.references[0][3].min() < 0 and torch.equal(sample.references[1][3], torch.ones(1, 64, 64))
+    for reference, image in zip(sample.references, sample.reference_images):
+        assert (image.height, image.width) == tuple(reference.shape[-2:]) and reference.shape[-1] % 32 == 0
