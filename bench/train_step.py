@@ -46,8 +46,9 @@ def _samples(spec, model, args, size: int, count: int) -> list[dict]:
     samples = []
     for seed in range(count):
         config = model.expert_model(model.experts[0]).config if isinstance(model, ExpertModels) else model.config
+        extra = {"references": args.references} if args.references else {}  # edit inputs (Qwen-Image-2.1)
         latents, cond = spec.dummy_inputs(config, batch=1, height=size, width=size,
-                                          num_frames=args.frames, text_len=args.text_len, seed=seed)
+                                          num_frames=args.frames, text_len=args.text_len, seed=seed, **extra)
         samples.append({"latents": latents[0], **{k: v[0] for k, v in cond.items()}})
     return samples
 
@@ -158,6 +159,8 @@ def main() -> None:
     parser.add_argument("--modes", default="resident", help="resident,offload")
     parser.add_argument("--frames", type=int, default=1, help="video families only")
     parser.add_argument("--text-len", type=int, default=32)
+    parser.add_argument("--references", type=int, default=0,
+                        help="reference images of the target's size per sample (families that take them)")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
