@@ -220,7 +220,8 @@ def _forward_group(transformer, latents, sigmas, cond, references, length: int) 
     pad = cond["image_pad_mask"][:, :length].bool()
     img_mask = torch.cat([pad, pad.new_ones(b, h * w // SLOT ** 2)], dim=1)
     out = transformer(hidden_states=torch.cat(tokens, dim=1), timestep=sigmas.to(dtype),
-                      encoder_hidden_states=cond["prompt_embeds"][:, :length].to(dtype), encoder_hidden_states_mask=None,
+                      encoder_hidden_states=cond["prompt_embeds"][:, :length].to(dtype),
+                      encoder_hidden_states_mask=None,
                       img_shapes=[shapes] * b, img_mask=img_mask, return_dict=False)[0]
     return out[:, -h * w:].transpose(1, 2).reshape(b, c, 1, h, w)
 
@@ -357,7 +358,8 @@ def build_encoders(variant: str, dtype: torch.dtype, device: str) -> Components:
 
 
 def dummy_inputs(config: Mapping[str, Any], batch: int = 1, height: int = 64, width: int = 64, num_frames: int = 1,
-                 text_len: int = 32, seed: int = 0, references: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                 text_len: int = 32, seed: int = 0,
+                 references: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Random cache-shaped inputs; ``references`` of the target's size add their latents and prompt slots
     (after the first two text tokens, one block each)."""
     check_pixels(torch.empty(3, num_frames, height, width, device="meta"), multiple=PIXEL_MULTIPLE, image_only=True)
@@ -389,9 +391,10 @@ def export_lora(peft_state_dict: dict[str, torch.Tensor], lora_config: dict[str,
 
 
 # DiffSynth's diffsynth/pipelines/qwen_image_21.py: InputImageEmbedder -> input_latents (1, 64, h, w);
-# PromptEmbedder -> prompt_embeds, prompt_embeds_mask (None when unpadded), edit_image_pad_mask.
+# PromptEmbedder -> prompt_embeds, edit_image_pad_mask, and prompt_embeds_mask, None when unpadded (so not
+# required here).  Names only: no test imports such a cache yet; its edit_latents (a list) are not imported.
 DIFFSYNTH_CACHE_FIELDS = {"input_latents": "latents", "prompt_embeds": "prompt_embeds",
-                          "prompt_embeds_mask": "prompt_embeds_mask", "edit_image_pad_mask": "image_pad_mask"}
+                          "edit_image_pad_mask": "image_pad_mask"}
 
 # DiffSynth's 2.1 LoRA recipe (examples/qwen_image_21/model_training/lora/Qwen-Image-2.1.sh) gives
 # --lora_target_modules "": its auto-detection (diffsynth/diffusion/training_module.py) then takes every

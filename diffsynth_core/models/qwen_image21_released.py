@@ -65,7 +65,8 @@ def _transformer_config(s: Shapes) -> dict[str, Any]:
 
 
 def _is_transformer(s: Shapes, mlp: str) -> bool:
-    return "txt_in.text_norm.weight" in s and "modulation.1.weight" in s and f"transformer_blocks.0.img_mlp.{mlp}.weight" in s
+    return ("txt_in.text_norm.weight" in s and "modulation.1.weight" in s
+            and f"transformer_blocks.0.img_mlp.{mlp}.weight" in s)
 
 
 # --- text encoder (Qwen3-VL) ---------------------------------------------------------------------
@@ -94,9 +95,9 @@ def _text_config(s: Shapes) -> dict[str, Any]:
     head_dim = s[text + "layers.0.self_attn.q_norm.weight"][0]
     patch = s[vision + "patch_embed.proj.weight"]  # (hidden, channels, temporal patch, patch, patch)
     vision_hidden = patch[0]
-    mergers = count_indices(s, vision + "deepstack_merger_list.")
-    if mergers != len(VISION_FACTS["deepstack_visual_indexes"]):
-        raise ValueError(f"{mergers} deepstack mergers, the release has {len(VISION_FACTS['deepstack_visual_indexes'])}")
+    mergers, released = count_indices(s, vision + "deepstack_merger_list."), VISION_FACTS["deepstack_visual_indexes"]
+    if mergers != len(released):  # which vision blocks feed them is a fact of the release, not in the shapes
+        raise ValueError(f"{mergers} deepstack mergers, the release has {len(released)}")
     text_config = dict(TEXT_FACTS, vocab_size=vocab, hidden_size=hidden, head_dim=head_dim,
                        intermediate_size=s[text + "layers.0.mlp.gate_proj.weight"][0],
                        num_hidden_layers=count_indices(s, text + "layers."),
@@ -148,5 +149,6 @@ def fused(state: StateDict) -> StateDict:
     """The inverse of ``unfused``: diffusers' two MLP input layers as ComfyUI's ``gate_up`` (tests, fixtures)."""
     out = dict(state)
     for key in [k for k in state if ".img_mlp.gate_layer." in k]:
-        out[key.replace(".gate_layer.", ".gate_up.")] = torch.cat([out.pop(key), out.pop(key.replace("gate_layer", "proj"))])
+        up = out.pop(key.replace(".gate_layer.", ".proj."))
+        out[key.replace(".gate_layer.", ".gate_up.")] = torch.cat([out.pop(key), up])
     return out

@@ -49,8 +49,8 @@ def _merged(base: dict[str, torch.Tensor], peft_sd: dict[str, torch.Tensor]) -> 
     return out
 
 
-@pytest.fixture(scope="module", params=["qwen_image", "qwen_image:edit", "qwen_image:edit-2509", "flux", "wan", "z_image",
-                                        "qwen_image21"])
+@pytest.fixture(scope="module", params=["qwen_image", "qwen_image:edit", "qwen_image:edit-2509", "flux", "wan",
+                                        "z_image", "qwen_image21"])
 def exported(request, tmp_path_factory):
     spec = get_family(*request.param.split(":"))  # family[:variant]: the edit DiTs share Qwen-Image's names
     model, config = _lora_model(spec)

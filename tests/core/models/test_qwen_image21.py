@@ -155,7 +155,8 @@ def test_configs_inferred_from_released_shapes_are_the_released_configs():
         assert plain(AutoencoderKLQwenImage21.from_config(fmt["vae"].infer_config(shapes(vae))).config) == \
             plain(vae.config)
         layout = ENCODER_CONFIGS["Qwen-Image-2.1"]
-        text = Qwen3VLForConditionalGeneration(Qwen3VLConfig(text_config=layout["text"], vision_config=layout["vision"]))
+        config = Qwen3VLConfig(text_config=layout["text"], vision_config=layout["vision"])
+        text = Qwen3VLForConditionalGeneration(config)
     inferred = fmt["text_encoder"].infer_config(shapes(text))
     for part in ("text", "vision"):
         for key, value in layout[part].items():
