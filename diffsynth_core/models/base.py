@@ -193,6 +193,9 @@ class FamilySpec:
     # Targets are cropped to multiples of this many pixels: the VAE's down-sampling times the DiT's patch
     # (16 for the 8x VAEs with 2x2 patches; Qwen-Image-2.1: 16x VAE, its prompt slots 2x2 latents).
     pixel_multiple: int = 16
+    # Latent positions per DiT token side: tokens = frames x h x w / latent_patch² (2x2 patches; Qwen-Image-2.1
+    # takes its latents unpatched).  Resolution-dependent shifts and activation plans count tokens with it.
+    latent_patch: int = 2
     # ``model.<key>`` settings the family applies to its loaded transformer, key -> apply(transformer,
     # value) -> transformer (Edit-2511's ``zero_cond_t``); an unset (None) key leaves it as loaded.
     transformer_options: Mapping[str, Callable[[torch.nn.Module, Any], torch.nn.Module]] = field(default_factory=dict)

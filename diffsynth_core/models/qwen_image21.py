@@ -442,4 +442,5 @@ SPEC = FamilySpec(
                              text_area=REFERENCE_AREA, text_multiple=PIXEL_MULTIPLE, alpha=True, text_at_vae_size=True),
     vae_rgba=True,
     pixel_multiple=PIXEL_MULTIPLE,
+    latent_patch=1,
 )

@@ -14,10 +14,10 @@ SPEC = get_family("qwen_image21")
 
 
 def _inputs(model):
-    latents, cond = SPEC.dummy_inputs(model.config, batch=3, height=32, width=64, text_len=6, references=2)
-    cond["prompt_embeds_mask"][2, -3:] = 0  # the third prompt is three text tokens shorter, zero-padded
-    cond["prompt_embeds"][2, -3:] = 0
-    return latents, torch.tensor([0.3, 0.8, 0.5]), cond
+    latents, cond = SPEC.dummy_inputs(model.config, batch=2, height=32, width=64, text_len=6, references=2)
+    cond["prompt_embeds_mask"][1, -3:] = 0  # the second prompt is three text tokens shorter, zero-padded
+    cond["prompt_embeds"][1, -3:] = 0
+    return latents, torch.tensor([0.3, 0.8]), cond
 
 
 @pytest.mark.parametrize("checkpoint", [False, True])
