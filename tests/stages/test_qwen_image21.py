@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageDraw
+from safetensors.torch import load_file
 
 from cache_store import open_cache
 from diffsynth_core.data.media import over_white
@@ -45,16 +46,21 @@ def run(tmp_path_factory):
         writer.writeheader()
         writer.writerows(rows)
     model = SPEC.save_tiny_model(root / "model", 0)
-    cfg = demo_config(root, "qwen_image21", [f"model.path={model}", "preprocess.parts=1", "train.batch_size=2",
-                                             "dataset.data_file_keys=['image','edit_image']",
-                                             "dataset.reference_pixels=2048",  # 64x32 references
-                                             "train.max_steps=3", "train.save_steps=0", "train.num_epochs=3"])
+
+    def config(*overrides):
+        return demo_config(root, "qwen_image21", [f"model.path={model}", "preprocess.parts=1", "train.batch_size=2",
+                                                  "dataset.data_file_keys=['image','edit_image']",
+                                                  "dataset.reference_pixels=2048",  # 64x32 references
+                                                  "train.max_steps=3", "train.save_steps=0", "train.num_epochs=3",
+                                                  *overrides])
+
+    cfg = config()
     summary = preprocess.run(cfg)
-    return cfg, summary, model
+    return cfg, summary, model, config
 
 
 def test_stage_one_keeps_alpha_and_gives_the_prompt_a_slot_per_reference_latents(run):
-    cfg, summary, model = run
+    cfg, summary, model, _ = run
     assert summary.encoded == 3
     plan, store = make_plan(cfg), open_cache(cfg.cache_url, mode="r")
     components = SPEC.load_encoders(model, torch.float32)
@@ -80,13 +86,23 @@ def test_stage_one_keeps_alpha_and_gives_the_prompt_a_slot_per_reference_latents
 
 
 def test_a_batch_of_edit_and_text_to_image_rows_trains(run):
-    cfg, _, _ = run
+    cfg, _, _, _ = run
     summary = train.run(cfg)
     assert summary.steps == 3
     rows = read_metrics(cfg.output_dir / "metrics.csv")
     assert len(rows) == 3 and all(float(r["loss"]) > 0 for r in rows)
     assert any("+" in r["bucket"] for r in rows)  # target+reference buckets
     assert (cfg.output_dir / "lora_comfyui.safetensors").is_file()
+
+
+def test_full_fine_tuning_with_ema_writes_the_weights_and_their_average(run):
+    _, _, _, config = run
+    cfg = config("train.trainable_models=['transformer']", "train.lora_rank=0", "train.ema_decay=0.5",
+                 f"output.path={run[0].output_dir.parent / 'full'}")
+    assert train.run(cfg).steps == 3
+    trained, averaged = (load_file(str(cfg.output_dir / name)) for name in
+                         ("transformer.safetensors", "transformer_ema.safetensors"))
+    assert trained.keys() == averaged.keys() and any(not torch.equal(trained[k], averaged[k]) for k in trained)
 
 
 def test_a_musubi_toml_with_control_directory_gives_rgba_controls_in_order(tmp_path):
