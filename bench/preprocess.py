@@ -50,8 +50,9 @@ from stages.config import build_config  # noqa: E402
 GB = 1e9
 # family -> (image side for throughput, memory-target sample (frames, height, width), budget GB)
 TARGETS = {"qwen_image": (1024, (1, 1328, 1328), 8.0), "flux": (1024, (1, 1024, 1024), 8.0),
-           "wan": (None, (81, 480, 832), 12.0)}
-TINY = {"qwen_image": (64, (1, 96, 96), 0.0), "flux": (64, (1, 96, 96), 0.0), "wan": (None, (5, 64, 64), 0.0)}
+           "wan": (None, (81, 480, 832), 12.0), "qwen_image21": (1024, (1, 1024, 1024), 8.0)}
+TINY = {"qwen_image": (64, (1, 96, 96), 0.0), "flux": (64, (1, 96, 96), 0.0), "wan": (None, (5, 64, 64), 0.0),
+        "qwen_image21": (64, (1, 96, 96), 0.0)}
 # Variants (``--families family:variant``): Edit-2509 with two references at 1024^2 (throughput) and a 1328^2
 # target with three references within 8 GiB (memory; the vision tower sees each reference, the VAE encodes
 # target and references); Wan2.2 TI2V-5B's umT5 and 16x VAE at 121 frames of 704x1280 within 12 GiB.

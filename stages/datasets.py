@@ -63,6 +63,7 @@ def _open_source(section: DatasetSection, source: DatasetSource, spec: FamilySpe
                    num_frames=source.num_frames or section.num_frames, skip_bad_samples=section.skip_bad_samples,
                    background=section.background, allow_external_paths=section.allow_external_paths,
                    stills_only=spec.frame_multiple == 1,  # image families (base.py: "image families use 1")
+                   alpha=spec.vae_rgba, division=spec.pixel_multiple,  # Qwen-Image-2.1: RGBA, multiples of 32
                    **_size_rule(section, source), **_reference_options(section, source, spec))
     path = Path(source.metadata_path)
     if path.is_dir():

@@ -209,6 +209,7 @@ def _export_ema(spec: FamilySpec, result, output: Path, learning_rate: float, ex
     """The EMA weights in the same formats, beside the raw files: ``lora.safetensors`` -> ``lora_ema.safetensors``."""
     staging = output / ".ema-export"
     shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()  # the full-weights export writes into it as it is (LoRA exports make their folder)
     with swapped_weights(result.model, result.ema):
         written = _export(spec, result, staging, learning_rate, experts, sigma_range)
     exports = {}

@@ -35,9 +35,9 @@ def _first_image(output) -> Image.Image:
 
 
 def to_image(pixels: torch.Tensor) -> Image.Image:
-    """A reference ``(3 or 4, 1, H, W)`` in ``[-1, 1]`` as the RGB image a pipeline takes."""
-    rgb = ((pixels[:3, 0].float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-    return Image.fromarray(rgb.permute(1, 2, 0).numpy())
+    """A reference ``(3 or 4, 1, H, W)`` in ``[-1, 1]`` as the RGB (RGBA: alpha kept) image a pipeline takes."""
+    values = ((pixels[:, 0].float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    return Image.fromarray(values.permute(1, 2, 0).numpy(), "RGBA" if values.shape[0] == 4 else "RGB")
 
 
 def first_references(dataset, rows: int = 16) -> list[Image.Image]:

@@ -19,7 +19,7 @@ from PIL import Image, ImageColor, ImageOps
 from torch.utils.data import Dataset
 
 from .errors import DatasetError
-from .media import (GIF_EXTENSIONS, WHITE, MediaError, check_media_path, frame_count_of_gif, is_video,
+from .media import (GIF_EXTENSIONS, WHITE, MediaError, check_media_path, frame_count_of_gif, is_video, over_white,
                     read_frames, read_image, read_image_header, usable_frame_count)
 from .metadata import find_columns, load_metadata
 from .references import (REFERENCE_SIZES, ReferenceCellError, area_size, floored_size, is_reference_column,
@@ -71,7 +71,7 @@ class SampleDataset(Dataset):
                  background: str | tuple[int, int, int] = WHITE, allow_external_paths: bool = False,
                  stills_only: bool = False, records: list[dict[str, Any]] | None = None,
                  references=None, reference_size: str = "family", reference_pixels: int | None = None,
-                 reference_roots: Sequence[str | Path] = ()):
+                 reference_roots: Sequence[str | Path] = (), alpha: bool = False):
         self.metadata_path = Path(metadata_path).absolute()
         # Relative media paths are resolved against base_path, else the metadata's folder;
         # absolute so that files (and cache keys built from them) do not depend on the cwd.
@@ -89,6 +89,8 @@ class SampleDataset(Dataset):
         # a frame it was never told about.
         self.background = parse_colour(background)
         self.allow_external_paths, self.stills_only = allow_external_paths, stills_only
+        # `alpha`: the family's VAE takes RGBA (FamilySpec.vae_rgba): still targets keep their alpha channel.
+        self.alpha = alpha
         # The family's ReferenceRule (None: it takes no reference images) and this source's override of
         # its VAE size (references.py: REFERENCE_SIZES); reference files may also lie under
         # `reference_roots` (musubi-tuner's control_directory beside the image folder).
@@ -130,11 +132,12 @@ class SampleDataset(Dataset):
         """What changes the decoded pixels of a row; goes into the cache key."""
         fixed = self.height is not None
         # max_pixels has no effect at a fixed size; leaving it out keeps such cache keys valid.
-        return {"height": self.height, "width": self.width,
-                "max_pixels": None if fixed else self.max_pixels,
-                "num_frames": self.num_frames, "frame_multiple": self.frame_multiple,
-                "division": self.division, "data_file_keys": list(self.data_file_keys),
-                "resample": "bilinear", "background": list(self.background), "pixels_version": PIXELS_VERSION}
+        settings = {"height": self.height, "width": self.width,
+                    "max_pixels": None if fixed else self.max_pixels,
+                    "num_frames": self.num_frames, "frame_multiple": self.frame_multiple,
+                    "division": self.division, "data_file_keys": list(self.data_file_keys),
+                    "resample": "bilinear", "background": list(self.background), "pixels_version": PIXELS_VERSION}
+        return {**settings, "alpha": True} if self.alpha else settings  # RGB rows keep the keys they had
 
     def key_settings(self, index: int) -> dict[str, Any]:
         """`settings()` narrowed to what row `index` decodes to, for its cache key.
@@ -340,7 +343,9 @@ class SampleDataset(Dataset):
             else:  # to the target's size, a floored own size, a musubi area: cover and centre-crop
                 vae_image = crop_and_resize(vae_input, height, width)
             pixels.append(_to_pixels([vae_image], channels=4 if rule.alpha else 3))
-            if rule.text_area:
+            if rule.text_at_vae_size:  # the very pixels the VAE reads, alpha composited over white
+                images.append(over_white(vae_image))
+            elif rule.text_area:
                 images.append(self._vision_image(original))
         return pixels, images
 
@@ -384,7 +389,9 @@ class SampleDataset(Dataset):
 
     def _decode(self, index: int, key: str, path: Path) -> torch.Tensor:
         try:
-            if is_video(path):
+            if self.alpha and (not is_video(path) or key == "image"):  # a still (a GIF's first frame) as RGBA
+                frames = [_read_rgba(path)]
+            elif is_video(path):
                 # The `image` column holds stills: a GIF there gives its first frame only.
                 wanted = 1 if key == "image" else self.num_frames
                 frames = read_frames(path, wanted, self.background)
@@ -402,7 +409,7 @@ class SampleDataset(Dataset):
             fix = "" if self.skip_bad_samples else ("; replace or remove the file, or set "
                                                     "dataset.skip_bad_samples = true to skip rows like it")
             raise self._error(index, f"column {key!r}: {e}{fix}", file=path) from e
-        return _to_pixels([crop_and_resize(f, height, width) for f in frames])
+        return _to_pixels([crop_and_resize(f, height, width) for f in frames], channels=4 if self.alpha else 3)
 
 
 def parse_colour(colour: str | Sequence[int]) -> tuple[int, int, int]:

@@ -104,6 +104,16 @@ def read_image_header(path: Path) -> tuple[int, int, bool] | None:
         return None
 
 
+def over_white(image: Image.Image) -> Image.Image:
+    """An RGBA image's colour composited over white as Qwen-Image-2.1's pipelines do it (``paste`` with the
+    alpha as mask: diffusers' pipeline_qwenimage21.py, DiffSynth's composite_over_white); RGB as it is."""
+    if image.mode != "RGBA":
+        return image
+    canvas = Image.new("RGB", image.size, WHITE)
+    canvas.paste(image, mask=image.getchannel("A"))
+    return canvas
+
+
 def has_alpha(image: Image.Image) -> bool:
     """An alpha channel, or a palette/colour key marking some pixels transparent."""
     return image.mode in ("RGBA", "RGBa", "LA", "La", "PA") or "transparency" in image.info

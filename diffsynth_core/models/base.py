@@ -75,6 +75,9 @@ class ReferenceRule:
     text_multiple: int = 32
     # RGBA to the VAE (opaque alpha for RGB files); the vision tower gets RGB over white.
     alpha: bool = False
+    # The vision tower sees each reference as the VAE does (its size and crop, alpha over white), not at
+    # ``text_area``: Qwen-Image-2.1, whose every image slot in the prompt stands for 2x2 of its latents.
+    text_at_vae_size: bool = False
     # A video target's first frame is the reference when the row names none (I2V).
     first_frame_of_target: bool = False
 
@@ -184,6 +187,15 @@ class FamilySpec:
     # variant_of(model_path or None: no folder) -> the variant the files are, or None where they cannot tell
     variant_of: Callable[[Path], str | None] | None = None
     experts: tuple[Expert, ...] = ()
+    # The VAE takes RGBA (Qwen-Image-2.1): targets keep their alpha, RGB files get an opaque one, and
+    # ``encode_pixels`` takes (4, F, H, W); references follow ``ReferenceRule.alpha``.
+    vae_rgba: bool = False
+    # Targets are cropped to multiples of this many pixels: the VAE's down-sampling times the DiT's patch
+    # (16 for the 8x VAEs with 2x2 patches; Qwen-Image-2.1: 16x VAE, its prompt slots 2x2 latents).
+    pixel_multiple: int = 16
+    # Latent positions per DiT token side: tokens = frames x h x w / latent_patch² (2x2 patches; Qwen-Image-2.1
+    # takes its latents unpatched).  Resolution-dependent shifts and activation plans count tokens with it.
+    latent_patch: int = 2
     # ``model.<key>`` settings the family applies to its loaded transformer, key -> apply(transformer,
     # value) -> transformer (Edit-2511's ``zero_cond_t``); an unset (None) key leaves it as loaded.
     transformer_options: Mapping[str, Callable[[torch.nn.Module, Any], torch.nn.Module]] = field(default_factory=dict)

@@ -5,13 +5,15 @@ from __future__ import annotations
 import torch
 
 
-def check_pixels(pixels: torch.Tensor, *, multiple: int, frame_multiple: int = 1, image_only: bool = False) -> None:
-    """Pixels must be ``(3, F, H, W)`` with H, W multiples of ``multiple``.
+def check_pixels(pixels: torch.Tensor, *, multiple: int, frame_multiple: int = 1, image_only: bool = False,
+                 channels: tuple[int, ...] = (3,)) -> None:
+    """Pixels must be ``(C, F, H, W)`` with C in ``channels`` (RGB; RGBA where the VAE takes alpha) and
+    H, W multiples of ``multiple``.
 
     ``image_only``: F must be 1.  Otherwise F must be ``frame_multiple * k + 1`` (Wan: 4k+1).
     """
-    if pixels.ndim != 4 or pixels.shape[0] != 3:
-        raise ValueError(f"pixels must be (3, F, H, W), got {tuple(pixels.shape)}")
+    if pixels.ndim != 4 or pixels.shape[0] not in channels:
+        raise ValueError(f"pixels must be ({' or '.join(map(str, channels))}, F, H, W), got {tuple(pixels.shape)}")
     frames, height, width = pixels.shape[1:]
     if image_only and frames != 1:
         raise ValueError(f"this image family takes one frame, got pixels {tuple(pixels.shape)}")
@@ -28,9 +30,9 @@ def prompt_length(tokenizer, requested: int | None, family_default: int) -> int:
 
 
 def check_pixel_batch(pixels: torch.Tensor, **rules) -> None:
-    """A batch ``(B, 3, F, H, W)`` of equally shaped samples, each passing ``check_pixels``."""
+    """A batch ``(B, C, F, H, W)`` of equally shaped samples, each passing ``check_pixels``."""
     if pixels.ndim != 5 or pixels.shape[0] < 1:
-        raise ValueError(f"a pixel batch must be (B, 3, F, H, W), got {tuple(pixels.shape)}")
+        raise ValueError(f"a pixel batch must be (B, C, F, H, W), got {tuple(pixels.shape)}")
     check_pixels(pixels[0], **rules)
 
 

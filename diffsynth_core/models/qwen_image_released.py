@@ -62,7 +62,8 @@ def _text_config(s: Shapes) -> dict[str, Any]:
 
 def _is_text_encoder(s: Shapes) -> bool:
     s = _text_keys(s)
-    return "model.layers.0.self_attn.q_proj.weight" in s and "visual.blocks.0.norm1.weight" in s
+    # Qwen2.5-VL's merger is an MLP (Qwen3-VL's, Qwen-Image-2.1's encoder, has linear_fc layers)
+    return "model.layers.0.self_attn.q_proj.weight" in s and "visual.merger.mlp.0.weight" in s
 
 
 FORMATS = (

@@ -63,18 +63,41 @@ QWEN_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|
 def qwen2_vl_tokenizer():
     """``qwen2_tokenizer`` plus the vision tokens and the edit template's words: what the edit
     pipelines' Qwen2VLProcessor wraps (Qwen-Image's 34-token prefix is unchanged)."""
+    return _vl_tokenizer(_QWEN_EDIT_SYSTEM, _QWEN_CHAT_TEMPLATE)
+
+
+def _vl_tokenizer(system: str, chat_template: str):
+    """Byte-level BPE with the chat and vision special tokens, Qwen-Image's words and ``system``'s merged whole."""
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import Qwen2Tokenizer
 
-    words = [w for w, _ in qwen2_tokenizer().backend_tokenizer.pre_tokenizer.pre_tokenize_str(_QWEN_EDIT_SYSTEM)]
+    words = [w for w, _ in qwen2_tokenizer().backend_tokenizer.pre_tokenizer.pre_tokenize_str(system)]
     vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
     merges = _prefix_merges(_QWEN_WORDS + [w for w in words if w not in _QWEN_WORDS], vocab)
     # " user" would stop at "Ġ" + "user" ("user" merges first, from the chat roles): join them last.
     merges += [("Ġ", w[1:]) for w in words if w.startswith("Ġ") and w[1:] in vocab and ("Ġ", w[1:]) not in merges]
     tok = Qwen2Tokenizer(vocab=vocab, merges=merges)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", *QWEN_VISION_TOKENS]})
-    tok.chat_template = _QWEN_CHAT_TEMPLATE
+    tok.chat_template = chat_template
     return tok
+
+
+# Qwen-Image-2.1's system prompt (diffusers' pipeline_qwenimage21.py): merged whole, its prefix stays short.
+_QWEN21_SYSTEM = "Comprehend and analyze the provided prompt."
+# Qwen3-VL's chat template in brief: a message's content is a string or a list of text/image parts
+# (QwenImage21Pipeline counts the tokens it drops from the system message it renders).
+_QWEN3_VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'text' %}{{ c['text'] }}"
+    "{% else %}<|vision_start|><|image_pad|><|vision_end|>{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def qwen3_vl_tokenizer():
+    """``qwen2_vl_tokenizer``'s kind for Qwen3-VL (Qwen-Image-2.1's processor): the vision tokens, the 2.1
+    system prompt's words merged, a chat template that renders list contents."""
+    return _vl_tokenizer(_QWEN21_SYSTEM, _QWEN3_VL_CHAT_TEMPLATE)
 
 
 def clip_tokenizer():

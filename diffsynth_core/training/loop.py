@@ -279,7 +279,8 @@ class Trainer:
         noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32)
         sigma = sample_sigmas(1, self.schedule.sampling, generator, logit_mean=self.train.logit_mean,
                               logit_std=self.train.logit_std, shift=self.train.shift,
-                              num_tokens=latents[0].numel() // 4, template=self.schedule.template,
+                              num_tokens=latents[0].numel() // self.spec.latent_patch ** 2,
+                              template=self.schedule.template,
                               sigma_range=self.sigma_range)
         if self.train.caption_dropout > 0 and torch.rand(1, generator=generator).item() < self.train.caption_dropout:
             entry = with_empty_prompt(entry, self.empty_prompt)

@@ -114,8 +114,8 @@ ACTIVATION_SHARE_OF_BUDGET = 0.5
 
 def checkpointed_input_bytes(model: nn.Module, spec: FamilySpec, batch: int, latent_shape) -> int:
     """Bytes the blocks' checkpointed inputs take in one step: every block keeps its input, ``tokens x
-    width`` in the model's dtype, tokens as the loop counts them (latent elements per channel / 4: 2x2
-    patches in every built-in family)."""
+    width`` in the model's dtype, tokens as the loop counts them (latent elements per channel over the
+    family's ``latent_patch``²)."""
     from ..offload.units import find_blocks
 
     blocks = find_blocks(model, block_containers(model, spec))
@@ -128,7 +128,7 @@ def checkpointed_input_bytes(model: nn.Module, spec: FamilySpec, batch: int, lat
     for d in latent_shape[1:]:
         tokens *= int(d)
     weight = getattr(first, "base_layer", first).weight
-    return len(blocks) * batch * (tokens // 4) * first.in_features * weight.element_size()
+    return len(blocks) * batch * (tokens // spec.latent_patch ** 2) * first.in_features * weight.element_size()
 
 
 def activations_need_host(train, offload, device: torch.device, model: nn.Module, spec: FamilySpec,

@@ -53,7 +53,7 @@ FLAGS: dict[str, Flag] = {
     "model_paths": Flag(),
     "model_id_with_origin_paths": Flag(),
     "tokenizer_path": Flag(), "tokenizer_1_path": Flag(), "tokenizer_2_path": Flag(),
-    "processor_path": Flag(noop="Qwen-Image-Edit's processor; text-to-image training does not use it"),
+    "processor_path": Flag(),  # the processor of a model whose prompts see images (models.add_tokenizers)
     "audio_processor_path": Flag(noop="Wan2.2-S2V's audio processor; text-to-video training does not use it"),
     # Pipeline inputs read from a row: the reference columns (the dataset reads them as each row's reference
     # images whenever the model takes references) and those EXTRA_INPUTS names; others refused (_check_extra_inputs).
@@ -300,6 +300,11 @@ def _apply_training(data: dict, flags: dict[str, str], defaults: bool, family: s
               "(DiffSynth would have nothing to train)", file=sys.stderr)
     raw = flags.get("lora_target_modules", FLAGS["lora_target_modules"].default if defaults else None)
     if raw is None:
+        return
+    if not raw.strip():  # DiffSynth auto-detects the block Linears of >= 512 features (training_module.py)
+        print(f"splitflow: --lora_target_modules \"\" (DiffSynth's auto-detection): training {family}'s default "
+              f"targets {list(spec.lora_target_modules)}", file=sys.stderr)
+        apply_override(data, "train.lora_target_modules", None)
         return
     targets = _translate(_value(FLAGS["lora_target_modules"], raw), spec.lora_target_aliases)
     if "lora_target_modules" not in flags and not all(t in spec.lora_target_aliases for t in raw.split(",")):

@@ -34,6 +34,8 @@ DEFAULT_TOKENIZERS = {
              "tokenizer_2": ("tokenizer_2_path", "black-forest-labs/FLUX.1-dev:tokenizer_2/")},
     "wan": {"tokenizer": ("tokenizer_path", "Wan-AI/Wan2.1-T2V-1.3B:google/umt5-xxl/")},
     "z_image": {"tokenizer": ("tokenizer_path", "Tongyi-MAI/Z-Image-Turbo:tokenizer/")},
+    # examples/qwen_image_21/model_training/train.py: the processor (tokenizer inside) unless --processor_path
+    "qwen_image21": {"processor": ("processor_path", "Qwen/Qwen-Image-2.1:processor/")},
 }
 
 
@@ -121,7 +123,8 @@ def resolve_models(flags: dict[str, str], family: str | None) -> tuple[str, dict
         candidates = recognise({name: get_family(name).released_formats for name in known_families()}, files)
         if not candidates:
             raise ConfigError(f"model entry {entry}: {files[0] if files else 'no files'} is no component splitflow "
-                              "recognises (Qwen-Image, FLUX.1, Wan2.1 or Z-Image weights as released)")
+                              "recognises (Qwen-Image, Qwen-Image-2.1, FLUX.1, Wan2.1 or Z-Image weights as "
+                              "released)")
         found.append((entry, candidates, files))
     family = _family_of([(entry, c) for entry, c, _ in found], family)
     sources: dict[str, list[str]] = {}

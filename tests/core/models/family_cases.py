@@ -184,3 +184,48 @@ def _z_image_prompt(pipe, prompt):
 # padded batch and its mask are checked against the DiT's own list of prompts.
 CASES.append(FamilyCase("z_image", "z_image", (3, 1, 64, 96), dict(height=64, width=96, num_inference_steps=2,
                         guidance_scale=4.0), _z_image_inputs, _z_image_prompt))
+
+
+def _qwen21_inputs(pipe, kw, out):
+    """QwenImage21Pipeline packs the references first and the target last (``img_shapes`` in that order),
+    its ``img_mask`` is the prompt's image-pad mask plus the target's slots, and its output spans the whole
+    joint sequence: the target's tokens are the last."""
+    shapes = kw["img_shapes"][0]
+    pieces = torch.split(kw["hidden_states"], [h * w for _, h, w in shapes], dim=1)
+    *refs, target = [pipe._unpack_latents(p, h * 16, w * 16, 16) for p, (_, h, w) in zip(pieces, shapes)]
+    embeds, mask = kw["encoder_hidden_states"], kw["encoder_hidden_states_mask"]
+    mask = torch.ones(embeds.shape[:2], dtype=torch.long) if mask is None else mask
+    cond = {"prompt_embeds": embeds, "prompt_embeds_mask": mask, "image_pad_mask": kw["img_mask"][:, :embeds.shape[1]]}
+    cond.update({f"ref_latents_{i}": ref for i, ref in enumerate(refs)})
+    _, h, w = shapes[-1]
+    return target, kw["timestep"], cond, pipe._unpack_latents(out[:, -h * w:], h * 16, w * 16, 16)
+
+
+def _qwen21_prompt(pipe, prompt, images=None):
+    embeds, mask, pad = pipe.encode_prompt(prompt, image=images)
+    mask = torch.ones(embeds.shape[:2], dtype=torch.long) if mask is None else mask
+    return {"prompt_embeds": embeds[0], "prompt_embeds_mask": mask[0], "image_pad_mask": pad[0]}
+
+
+@functools.cache
+def qwen21_images():
+    """Two references at multiples of 32 (the vision tower's and the VAE's sizes are one): a half-transparent
+    red bar (RGBA, composited over white for the vision tower) and a blue square on white."""
+    from PIL import Image, ImageDraw
+
+    first = Image.new("RGBA", (64, 32), (0, 0, 0, 0))
+    ImageDraw.Draw(first).rectangle((8, 8, 56, 24), fill=(255, 0, 0, 160))
+    second = Image.new("RGB", (32, 64), "white")
+    ImageDraw.Draw(second).rectangle((4, 20, 28, 44), fill="blue")
+    return first, second
+
+
+CASES.append(FamilyCase("qwen_image21", "qwen_image21", (4, 1, 64, 96), dict(height=64, width=96,
+                        num_inference_steps=2), _qwen21_inputs, _qwen21_prompt))
+# output_resolution 64: the pipeline resizes references to about 64² (1024² by default), cheap on the CPU
+CASES.append(FamilyCase("qwen_image21_edit", "qwen_image21", (4, 1, 64, 96),
+                        dict(height=64, width=96, num_inference_steps=2, image=list(qwen21_images()),
+                             output_resolution=64), _qwen21_inputs,
+                        lambda pipe, prompt: _qwen21_prompt(pipe, prompt, list(qwen21_images())),
+                        prompt_kwargs={"images": list(qwen21_images())},
+                        reference_shapes=((4, 1, 32, 64), (3, 1, 64, 32))))

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("family, frames, variant", [("qwen_image", 1, None), ("flux", 1, None), ("wan", 5, None),
-                                                     ("wan", 5, "ti2v-5b")])
+                                                     ("wan", 5, "ti2v-5b"), ("qwen_image21", 1, None)])
 def test_tiny_family_loads_encodes_and_trains_on_cuda(family, frames, variant, tmp_path):
     from diffusers.training_utils import cast_training_params
     from peft import LoraConfig

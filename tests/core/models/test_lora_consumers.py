@@ -49,7 +49,8 @@ def _merged(base: dict[str, torch.Tensor], peft_sd: dict[str, torch.Tensor]) -> 
     return out
 
 
-@pytest.fixture(scope="module", params=["qwen_image", "qwen_image:edit", "qwen_image:edit-2509", "flux", "wan", "z_image"])
+@pytest.fixture(scope="module", params=["qwen_image", "qwen_image:edit", "qwen_image:edit-2509", "flux", "wan",
+                                        "z_image", "qwen_image21"])
 def exported(request, tmp_path_factory):
     spec = get_family(*request.param.split(":"))  # family[:variant]: the edit DiTs share Qwen-Image's names
     model, config = _lora_model(spec)
@@ -68,7 +69,12 @@ def _pipeline_with(spec, transformer):
 
     cls = getattr(diffusers, spec.pipeline_class_name)
     names = [n for n in cls._get_signature_keys(cls)[0] if n != "transformer"]
-    return cls(transformer=transformer, **{n: None for n in names})
+    parts = {n: None for n in names}
+    if spec.name == "qwen_image21":  # its pipeline reads the prompt template's length from its processor
+        from diffsynth_core.models.qwen_image21 import tiny_processor
+
+        parts["processor"] = tiny_processor()
+    return cls(transformer=transformer, **parts)
 
 
 def test_diffusers_load_lora_weights_restores_every_tensor_and_the_output(exported):
@@ -192,13 +198,18 @@ def _to_native(diffusers_sd, key_map):
 
 def comfy_native(family, diffusers_sd, config):
     """The DiT's weights under ComfyUI's names: Qwen-Image keeps the diffusers names
-    (comfy/ldm/qwen_image/model.py), Wan uses its native names (comfy/ldm/wan/model.py, the inverse
-    of diffusers' convert_wan_transformer_to_diffusers), FLUX the BFL names (flux_to_diffusers)."""
+    (comfy/ldm/qwen_image/model.py), Qwen-Image-2.1 too but with ``img_mlp.gate_layer`` and ``proj`` fused
+    into ``gate_up`` at load (comfy/ldm/qwen_image21/model.py), Wan uses its native names
+    (comfy/ldm/wan/model.py, the inverse of diffusers' convert_wan_transformer_to_diffusers), FLUX the BFL
+    names (flux_to_diffusers)."""
+    from diffsynth_core.models.qwen_image21_released import fused
     from diffsynth_core.models.wan import native_name
     from diffsynth_core.models.z_image_released import diffusers_to_native
 
     if family == "qwen_image":
         return {"diffusion_model." + k: v.clone() for k, v in diffusers_sd.items()}
+    if family == "qwen_image21":
+        return {"diffusion_model." + k: v.clone() for k, v in fused(diffusers_sd).items()}
     if family == "wan":
         return {"diffusion_model." + native_name(k): v.clone() for k, v in diffusers_sd.items()}
     if family == "z_image":  # Z-Image's original names (comfy/ldm/lumina/model.py), q/k/v fused
@@ -214,9 +225,15 @@ def comfy_lora_keys(family, native_sd, config):
             stem = k[len("diffusion_model."):-len(".weight")]
             key_map["lora_unet_" + stem.replace(".", "_")] = k
             key_map[k[:-len(".weight")]] = k  # generic lora format without any weird key names
-            if family == "qwen_image":  # QwenImage branch
-                key_map[stem] = k
-                key_map["transformer." + stem] = k
+            if family in ("qwen_image", "qwen_image21"):  # QwenImage branch (QwenImage21 is a QwenImage)
+                targets = [(stem, k)]
+                if stem.endswith(".img_mlp.gate_up"):  # 2.1 fuses gate_layer/proj at load; LoRAs address the halves
+                    half = native_sd[k].shape[0] // 2
+                    targets = [(stem.replace(".gate_up", ".gate_layer"), (k, (0, 0, half))),
+                               (stem.replace(".gate_up", ".proj"), (k, (0, half, half)))]
+                for name, to in targets:
+                    key_map[name] = to
+                    key_map["transformer." + name] = to
     if family == "z_image":  # Lumina2 branch: diffusers names onto the native layers, q/k/v into qkv
         for k, to in _z_image_comfy_map(config).items():
             for form in ("diffusion_model.", "transformer.", ""):
@@ -370,7 +387,8 @@ def diffsynth_flux_names(diffusers_sd):
 def diffsynth_native(family, diffusers_sd):
     """The DiT's weights under DiffSynth's names.  Its Qwen-Image and Z-Image DiTs load the diffusers files
     with no converter (diffsynth/configs/model_configs.py), so the names are the diffusers ones."""
-    if family in ("qwen_image", "z_image"):  # z_image: diffsynth/models/z_image_dit.py has diffusers' names
+    # z_image: diffsynth/models/z_image_dit.py has diffusers' names; qwen_image21: qwen_image_21_dit.py too
+    if family in ("qwen_image", "z_image", "qwen_image21"):
         return {k: v.clone() for k, v in diffusers_sd.items()}
     convert = diffsynth_wan_names if family == "wan" else diffsynth_flux_names
     return {k: v.clone() for k, v in convert(diffusers_sd).items()}
