@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import dataclasses
 import json
 import random
 import resource
@@ -92,11 +93,14 @@ def write_dataset(folder: Path, count: int, side: int, seed: int = 0, references
 
 @contextlib.contextmanager
 def released_encoders(spec, variant: str | None, resident: bool):
-    """Stage 1 loads ``spec.build_encoders(variant)`` (random weights) instead of the folder's files."""
+    """Stage 1 loads ``spec.build_encoders(variant)`` (random weights) instead of the folder's files.
+
+    Stage 1 resolves its own spec from the config (a variant's spec is a fresh copy each time), so the
+    loader is swapped where stage 1 loads encoders, for every spec of this family."""
     if variant is None:
         yield
         return
-    real = spec.load_encoders
+    real = encoding.load_encoders
 
     def build(path, dtype):
         comps = spec.build_encoders(variant, dtype, "cuda")  # random weights are made fastest on the GPU
@@ -105,11 +109,16 @@ def released_encoders(spec, variant: str | None, resident: bool):
             torch.cuda.empty_cache()
         return comps
 
-    object.__setattr__(spec, "load_encoders", build)
+    def load(cfg, resolved, device):
+        if resolved.name == spec.name:
+            resolved = dataclasses.replace(resolved, load_encoders=build)
+        return real(cfg, resolved, device)
+
+    encoding.load_encoders = load
     try:
         yield
     finally:
-        object.__setattr__(spec, "load_encoders", real)
+        encoding.load_encoders = real
 
 
 # --- measuring ----------------------------------------------------------------------------------

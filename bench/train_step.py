@@ -127,7 +127,11 @@ def bench_mode(spec, args, mode: str, device: torch.device, over_budget, record)
     options = OffloadSection(enable_model_cpu_offload=mode == "offload", prefetch=args.prefetch,
                              vram_budget_gb=args.vram_budget_gb)
     dit_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    prepared = prepare_for_training(model, spec, train, options, device)
+    # The largest sample's latents, as the Trainer passes them: "auto" activation offload reads them (a budget
+    # too small for the checkpointed block inputs keeps them in host memory).
+    largest = max((_samples(spec, model, args, size, count=1)[0]["latents"].shape for size in args.sizes),
+                  key=lambda shape: shape.numel())
+    prepared = prepare_for_training(model, spec, train, options, device, tuple(largest))
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the device copies the offload engine freed
     print(json.dumps({"mode": mode, "setup_s": round(time.perf_counter() - started, 1)}), file=sys.stderr, flush=True)
