@@ -197,6 +197,12 @@ _VAE22_DIFFUSERS = dict(conv_in="encoder.conv_in.weight", post_quant="post_quant
                         blocks="encoder.down_blocks.0.resnets.", not_residual=0)
 
 
+def _is_diffusers_vae22(s: Shapes) -> bool:
+    """diffusers' Wan2.2 VAE names; its causal convolutions are 3-D (Qwen-Image-2.1's VAE, named alike, has 2-D)."""
+    return "encoder.down_blocks.0.resnets.0.conv1.weight" in s and "encoder.norm_out.gamma" in s \
+        and len(s.get("encoder.conv_in.weight", ())) == 5
+
+
 # --- Wan2.1 I2V's CLIP (models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth) -----------------------------
 # open-clip's XLM-RoBERTa ViT-H/14 as Wan's clip.py (and DiffSynth's wan_video_image_encoder.py) names it; only
 # its vision tower (``visual.*``) conditions the DiT, mapped onto transformers' CLIPVisionModel: the same
@@ -267,8 +273,7 @@ FORMATS = (
     ReleasedFormat("vae", "diffusers", "AutoencoderKLWan", "Wan2.2 Wan2.2_VAE.pth (Wan's names)",
                    lambda s: "encoder.downsamples.0.downsamples.0.residual.0.gamma" in s,
                    lambda s: _vae22_config(s, _VAE22_NATIVE), convert=convert_vae22),
-    ReleasedFormat("vae", "diffusers", "AutoencoderKLWan", "diffusers Wan2.2 vae weights",
-                   lambda s: "encoder.down_blocks.0.resnets.0.conv1.weight" in s and "encoder.norm_out.gamma" in s,
+    ReleasedFormat("vae", "diffusers", "AutoencoderKLWan", "diffusers Wan2.2 vae weights", _is_diffusers_vae22,
                    lambda s: _vae22_config(s, _VAE22_DIFFUSERS)),
     ReleasedFormat("image_encoder", "transformers", "CLIPVisionModel", "Wan2.1 I2V "
                    "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth (open-clip's names)",
