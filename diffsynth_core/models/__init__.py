@@ -20,6 +20,7 @@ _FAMILY_MODULES = {
     "flux": "flux",
     "wan": "wan",
     "z_image": "z_image",
+    "flux2": "flux2",
 }
 
 

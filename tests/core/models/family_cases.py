@@ -184,3 +184,55 @@ def _z_image_prompt(pipe, prompt):
 # padded batch and its mask are checked against the DiT's own list of prompts.
 CASES.append(FamilyCase("z_image", "z_image", (3, 1, 64, 96), dict(height=64, width=96, num_inference_steps=2,
                         guidance_scale=4.0), _z_image_inputs, _z_image_prompt))
+
+
+def _flux2_inputs(pipe, kw, out):
+    """The FLUX.2 pipelines pack the target's tokens, then each reference's (ids with time 10, 20, ...): split
+    them back by their ids' time coordinate; the text ids are (0, 0, 0, l); dev's guidance is the call's."""
+    ids = kw["img_ids"][0] if kw["img_ids"].ndim == 3 else kw["img_ids"]
+    tokens, (b, _, c) = kw["hidden_states"], kw["hidden_states"].shape
+    assert torch.equal(kw["txt_ids"][0, :, 3], torch.arange(kw["encoder_hidden_states"].shape[1]))
+    assert kw["guidance"] is None if not pipe.transformer.config.guidance_embeds else \
+        torch.equal(kw["guidance"], torch.ones_like(kw["guidance"]))
+    grids, start = [], 0
+    for t in dict.fromkeys(ids[:, 0].tolist()):
+        part = ids[ids[:, 0] == t]
+        h, w = int(part[:, 1].max()) + 1, int(part[:, 2].max()) + 1
+        grids.append(tokens[:, start:start + h * w].permute(0, 2, 1).reshape(b, c, h, w)[:, :, None])
+        start += h * w
+    n = grids[0].shape[-2] * grids[0].shape[-1]
+    target = out[:, :n].permute(0, 2, 1).reshape(grids[0].shape)
+    cond = {"prompt_embeds": kw["encoder_hidden_states"], **{f"ref_latents_{i}": g for i, g in enumerate(grids[1:])}}
+    return grids[0], kw["timestep"], cond, target
+
+
+FLUX2_TOKENS = 64  # the pipelines pad every prompt to 512 tokens; 64 keeps the tiny 30-layer encoders quick
+
+
+def _flux2_prompt(pipe, prompt):
+    embeds, _ = pipe.encode_prompt(prompt, max_sequence_length=FLUX2_TOKENS)
+    return {"prompt_embeds": embeds[0]}
+
+
+@functools.cache
+def flux2_images():
+    """Two references of different aspect, 64 pixels a side at least (the FLUX.2 pipelines refuse smaller)."""
+    from PIL import Image, ImageDraw
+
+    first = Image.new("RGB", (96, 64), "grey")
+    ImageDraw.Draw(first).rectangle((16, 12, 60, 40), fill="red")
+    second = Image.new("RGB", (64, 80), "white")
+    ImageDraw.Draw(second).ellipse((8, 20, 40, 60), fill="blue")
+    return [first, second]
+
+
+# dev with two references (guidance 1: what dit_forward trains with); klein base text-to-image with CFG.
+CASES += [
+    FamilyCase("flux2_dev_edit", "flux2", (3, 1, 64, 96), dict(height=64, width=96, num_inference_steps=2,
+               guidance_scale=1.0, image=flux2_images(), max_sequence_length=FLUX2_TOKENS), _flux2_inputs,
+               _flux2_prompt, variant="dev", prompt_kwargs={"max_sequence_length": FLUX2_TOKENS},
+               reference_shapes=((3, 1, 32, 64), (3, 1, 48, 32))),
+    FamilyCase("flux2_klein_base", "flux2", (3, 1, 64, 96), dict(height=64, width=96, num_inference_steps=2,
+               guidance_scale=4.0, max_sequence_length=FLUX2_TOKENS), _flux2_inputs, _flux2_prompt,
+               variant="klein-base-4b", prompt_kwargs={"max_sequence_length": FLUX2_TOKENS}),
+]
