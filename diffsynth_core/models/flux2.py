@@ -394,7 +394,7 @@ KLEIN_TRAINING_NOTICE = (
 
 EXTRAS = {"latent_channels": 128, "vae_scale_factor": VAE_SCALE * PATCH, "pixel_multiple": VAE_SCALE * PATCH,
           "default_max_sequence_length": DEFAULT_MAX_SEQUENCE_LENGTH}
-# Released encoder layouts (benchmarks): Mistral-Small-3.2's text decoder (23.6 B parameters; DiffSynth's
+# Released encoder layouts (benchmarks): Mistral-Small-3.2's text decoder (22.9 B parameters; DiffSynth's
 # flux2_text_encoder.py), Qwen3-4B and Qwen3-8B (the klein releases' text_encoder/config.json), the VAE.
 ENCODER_CONFIGS = {
     "FLUX.2-dev": dict(model_type="mistral", hidden_size=5120, intermediate_size=32768, num_hidden_layers=40,

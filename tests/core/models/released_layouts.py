@@ -24,8 +24,14 @@ from diffsynth_core.models.wan import native_name
 from diffsynth_core.models.wan_released import umt5_to_native_t5
 
 MODEL_IDS = {"qwen_image": "Qwen/Qwen-Image", "flux": "black-forest-labs/FLUX.1-dev", "wan": "Wan-AI/Wan2.1-T2V-1.3B",
-             "z_image": "Tongyi-MAI/Z-Image-Turbo"}
+             "z_image": "Tongyi-MAI/Z-Image-Turbo", "flux2": "black-forest-labs/FLUX.2-dev"}
 Z_IMAGE_BASE_ID = "Tongyi-MAI/Z-Image"  # DiffSynth's Z-Image.sh takes only the transformer from here
+# FLUX.2's klein releases (one tiny klein model stands for each: their names tell the variants apart), whole
+# where DiffSynth's scripts take more than the transformer from them (FLUX.2-klein-base-9B.sh takes klein-9B's
+# text encoder, VAE and tokenizer).
+FLUX2_KLEIN_IDS = {"black-forest-labs/FLUX.2-klein-4B": "whole", "black-forest-labs/FLUX.2-klein-9B": "whole",
+                   "black-forest-labs/FLUX.2-klein-base-4B": "transformer",
+                   "black-forest-labs/FLUX.2-klein-base-9B": "transformer"}
 
 
 # --- inverse conversions ----------------------------------------------------------------------------
@@ -259,8 +265,35 @@ def _write_diffsynth_layout(family: str, reference: Path, root: Path) -> None:
         shutil.copytree(reference / "tokenizer", base / "google" / "umt5-xxl")
 
 
+def _write_diffsynth_flux2(reference: Path, base: Path, parts: str = "whole") -> None:
+    """A FLUX.2 release as DiffSynth downloads it: weights without config.json, the DiT and the text encoder in
+    shards, the VAE's one file, the tokenizer folder."""
+    _save_shards(_weights(reference / "transformer"), base / "transformer", "diffusion_pytorch_model", 2)
+    if parts == "transformer":
+        return
+    _save_shards(_weights(reference / "text_encoder"), base / "text_encoder", "model", 2)
+    (base / "vae").mkdir(parents=True)
+    shutil.copy(reference / "vae" / "diffusion_pytorch_model.safetensors", base / "vae")
+    shutil.copytree(reference / "tokenizer", base / "tokenizer")
+
+
+def _build_flux2_release(root: Path, seed: int) -> Path:
+    """``root/reference`` (klein, Qwen3) and ``root/reference-dev`` (dev, Mistral) in the diffusers layout, the
+    tiny models of the family (the releases' facts at tiny widths), and their DiffSynth layouts."""
+    from diffsynth_core.models import get_family
+
+    get_family("flux2", "klein-base-4b").save_tiny_model(root / "reference", seed)
+    get_family("flux2", "dev").save_tiny_model(root / "reference-dev", seed)
+    _write_diffsynth_flux2(root / "reference-dev", root / "models" / MODEL_IDS["flux2"])
+    for model_id, parts in FLUX2_KLEIN_IDS.items():
+        _write_diffsynth_flux2(root / "reference", root / "models" / model_id, parts)
+    return root
+
+
 def build_release(family: str, root: Path, seed: int = 0) -> Path:
     """Write ``root/reference`` (diffusers layout) and ``root/models/<model_id>/...`` (DiffSynth's); returns root."""
+    if family == "flux2":
+        return _build_flux2_release(root, seed)
     with MODEL_INIT_LOCK, torch.random.fork_rng():
         torch.manual_seed(seed)
         components = _BUILDERS[family]()
