@@ -111,8 +111,9 @@ def tiny_qwen3(vocab_size: int):
 
 
 def save_tiny_model_for(kind: str, distilled: bool = False):
-    def save_tiny_model(out_dir: Path, seed: int = 0) -> Path:
-        """A tiny random FLUX.2 (dev: Mistral; klein: Qwen3) in the diffusers layout."""
+    def save_tiny_model(out_dir: Path, seed: int = 0, *, layers: tuple[int, int] | None = None) -> Path:
+        """A tiny random FLUX.2 (dev: Mistral; klein: Qwen3) in the diffusers layout; ``layers``: its
+        (double, single) block counts, a release's for scripts that name blocks (default 1, 2)."""
         from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
 
         tokenizer = tiny_tokenizers.mistral_tokenizer() if kind == "mistral" else tiny_tokenizers.qwen2_tokenizer()
@@ -121,6 +122,8 @@ def save_tiny_model_for(kind: str, distilled: bool = False):
             text_encoder = (tiny_mistral if kind == "mistral" else tiny_qwen3)(len(tokenizer))
             vae = tiny_vae()
             config = dict(TRANSFORMER_CONFIGS["tiny"], guidance_embeds=kind == "mistral")  # klein has no guidance
+            if layers is not None:
+                config.update(num_layers=layers[0], num_single_layers=layers[1])
             transformer = Flux2Transformer2DModel(**config)
         extra = {} if kind == "mistral" else {"is_distilled": distilled}
         pipe = _pipeline_cls(kind)(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG), vae=vae,

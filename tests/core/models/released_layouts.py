@@ -26,12 +26,17 @@ from diffsynth_core.models.wan_released import umt5_to_native_t5
 MODEL_IDS = {"qwen_image": "Qwen/Qwen-Image", "flux": "black-forest-labs/FLUX.1-dev", "wan": "Wan-AI/Wan2.1-T2V-1.3B",
              "z_image": "Tongyi-MAI/Z-Image-Turbo", "flux2": "black-forest-labs/FLUX.2-dev"}
 Z_IMAGE_BASE_ID = "Tongyi-MAI/Z-Image"  # DiffSynth's Z-Image.sh takes only the transformer from here
-# FLUX.2's klein releases (one tiny klein model stands for each: their names tell the variants apart), whole
-# where DiffSynth's scripts take more than the transformer from them (FLUX.2-klein-base-9B.sh takes klein-9B's
-# text encoder, VAE and tokenizer).
-FLUX2_KLEIN_IDS = {"black-forest-labs/FLUX.2-klein-4B": "whole", "black-forest-labs/FLUX.2-klein-9B": "whole",
-                   "black-forest-labs/FLUX.2-klein-base-4B": "transformer",
-                   "black-forest-labs/FLUX.2-klein-base-9B": "transformer"}
+# FLUX.2's releases: the reference folder each is written from (tiny widths at the release's block counts, since
+# DiffSynth's scripts name every single block; the names tell base from distilled), whole where DiffSynth's
+# scripts take more than the transformer from them (FLUX.2-klein-base-9B.sh: klein-9B's text encoder, VAE and
+# tokenizer).
+FLUX2_REFERENCES = {"reference-dev": ("dev", (8, 48)), "reference": ("klein-base-4b", (5, 20)),
+                    "reference-9b": ("klein-base-9b", (8, 24))}
+FLUX2_RELEASES = {"black-forest-labs/FLUX.2-dev": ("reference-dev", "whole"),
+                  "black-forest-labs/FLUX.2-klein-4B": ("reference", "whole"),
+                  "black-forest-labs/FLUX.2-klein-base-4B": ("reference", "transformer"),
+                  "black-forest-labs/FLUX.2-klein-9B": ("reference-9b", "whole"),
+                  "black-forest-labs/FLUX.2-klein-base-9B": ("reference-9b", "transformer")}
 
 
 # --- inverse conversions ----------------------------------------------------------------------------
@@ -278,15 +283,14 @@ def _write_diffsynth_flux2(reference: Path, base: Path, parts: str = "whole") ->
 
 
 def _build_flux2_release(root: Path, seed: int) -> Path:
-    """``root/reference`` (klein, Qwen3) and ``root/reference-dev`` (dev, Mistral) in the diffusers layout, the
-    tiny models of the family (the releases' facts at tiny widths), and their DiffSynth layouts."""
+    """``root/reference-dev`` (Mistral), ``root/reference`` and ``root/reference-9b`` (Qwen3) in the diffusers
+    layout, the family's tiny models (the releases' facts at tiny widths), and the releases' DiffSynth layouts."""
     from diffsynth_core.models import get_family
 
-    get_family("flux2", "klein-base-4b").save_tiny_model(root / "reference", seed)
-    get_family("flux2", "dev").save_tiny_model(root / "reference-dev", seed)
-    _write_diffsynth_flux2(root / "reference-dev", root / "models" / MODEL_IDS["flux2"])
-    for model_id, parts in FLUX2_KLEIN_IDS.items():
-        _write_diffsynth_flux2(root / "reference", root / "models" / model_id, parts)
+    for folder, (variant, layers) in FLUX2_REFERENCES.items():
+        get_family("flux2", variant).save_tiny_model(root / folder, seed, layers=layers)
+    for model_id, (folder, parts) in FLUX2_RELEASES.items():
+        _write_diffsynth_flux2(root / folder, root / "models" / model_id, parts)
     return root
 
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from diffsynth_core.errors import InputError
@@ -16,13 +18,13 @@ from diffsynth_core.models import get_family, known_families, released
 from diffsynth_core.models.flux2_released import bfl_to_diffusers, diffusers_to_bfl
 from diffsynth_core.models.loading import load_component as load_reference
 
-from .released_layouts import FLUX2_KLEIN_IDS, MODEL_IDS
+from .released_layouts import MODEL_IDS
 
 FORMATS = {name: get_family(name).released_formats for name in known_families()}
 # As DiffSynth's examples/flux2/model_training/lora/FLUX.2-*.sh name them.
 SCRIPT_FILES = {"transformer": "transformer/*.safetensors", "text_encoder": "text_encoder/*.safetensors",
                 "vae": "vae/diffusion_pytorch_model.safetensors"}
-DEV, KLEIN = MODEL_IDS["flux2"], next(iter(FLUX2_KLEIN_IDS))
+DEV, KLEIN = MODEL_IDS["flux2"], "black-forest-labs/FLUX.2-klein-4B"
 
 
 def _same_weights(model, reference):
@@ -254,3 +256,66 @@ def test_the_comfyui_file_continues_as_the_trained_lora(tmp_path):
     for module, lora in loras.items():
         expected = 1.5 * peft[module + ".lora_B.weight"] @ peft[module + ".lora_A.weight"]
         torch.testing.assert_close(lora.alpha / lora.rank * lora.up @ lora.down, expected, rtol=0, atol=1e-6)
+
+
+# --- datasets: references --------------------------------------------------------------------------
+
+def _drawn(path: Path, size: tuple[int, int], colour: str) -> Path:
+    from PIL import ImageDraw
+
+    image = Image.new("RGB", size, "white")
+    ImageDraw.Draw(image).ellipse((size[0] // 4, size[1] // 4, size[0] // 2, size[1] // 2), fill=colour)
+    image.save(path)
+    return path
+
+
+def as_pixels(image) -> torch.Tensor:
+    return torch.from_numpy(np.array(image)).permute(2, 0, 1).float() / 127.5 - 1
+
+
+def test_edit_images_are_cropped_to_about_a_megapixel_as_diffsynth_resizes_them(tmp_path):
+    """DiffSynth's edit_image list: each reference covers calculate_dimensions(1024², aspect) (sides rounded to
+    32) and is centre-cropped (Flux2Unit_EditImageEmbedder.edit_image_auto_resize), not stretched."""
+    import csv
+    import json
+
+    from diffsynth_core.data.references import area_size, resized
+    from diffsynth_core.data.resize import crop_and_resize
+    from stages.datasets import open_dataset
+
+    _drawn(tmp_path / "target.png", (96, 64), "red")
+    first, second = _drawn(tmp_path / "a.png", (300, 200), "blue"), _drawn(tmp_path / "b.png", (90, 160), "green")
+    with open(tmp_path / "m.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["image", "prompt", "edit_image"])
+        writer.writeheader()
+        writer.writerow({"image": "target.png", "prompt": "x", "edit_image": json.dumps(["a.png", "b.png"])})
+    cfg = _config(tmp_path, {"variant": "klein-base-4b"}, "dataset.data_file_keys=['image','edit_image']")
+    sample = open_dataset(cfg.dataset, get_family("flux2", "klein-base-4b")).load(0)
+    assert [p.name for p in sample.files] == ["target.png", "a.png", "b.png"]
+    for reference, path in zip(sample.references, (first, second)):
+        image = Image.open(path)
+        height, width = area_size(image.height, image.width, 1024 * 1024, 32)
+        assert reference.shape == (3, 1, height, width)
+        assert torch.allclose(reference[:, 0], as_pixels(crop_and_resize(image, height, width)), atol=1e-6)
+        assert not torch.allclose(reference[:, 0], as_pixels(resized(image, height, width)), atol=1e-2)
+
+
+def test_a_musubi_toml_with_control_images_gives_flux2_its_references(tmp_path):
+    """musubi-tuner's FLUX.2 dataset config (docs/flux_2.md: control images are the references): same-stem
+    controls in order, sized to about control_resolution's area."""
+    from stages.config import build_config
+    from stages.datasets import open_dataset
+
+    images, controls = tmp_path / "images", tmp_path / "controls"
+    images.mkdir(), controls.mkdir()
+    _drawn(images / "cat.png", (128, 96), "red")
+    (images / "cat.txt").write_text("edit the cat")
+    _drawn(controls / "cat_0.png", (96, 96), "blue")
+    _drawn(controls / "cat_1.png", (64, 128), "green")
+    toml = tmp_path / "dataset.toml"
+    toml.write_text(f'[general]\nresolution = [128, 96]\nenable_bucket = true\n[[datasets]]\n'
+                    f'image_directory = "{images}"\ncontrol_directory = "{controls}"\ncontrol_resolution = [64, 64]\n')
+    cfg = build_config({"dataset": {"metadata_path": str(toml)}, "model": {"family": "flux2", "variant": "klein-4b"}})
+    sample = open_dataset(cfg.dataset, get_family("flux2", "klein-4b")).load(0)
+    assert sample.prompt == "edit the cat" and [p.name for p in sample.files] == ["cat.png", "cat_0.png", "cat_1.png"]
+    assert [tuple(r.shape[-2:]) for r in sample.references] == [(64, 64), (96, 32)]
