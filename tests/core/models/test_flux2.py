@@ -319,3 +319,11 @@ def test_a_musubi_toml_with_control_images_gives_flux2_its_references(tmp_path):
     sample = open_dataset(cfg.dataset, get_family("flux2", "klein-4b")).load(0)
     assert sample.prompt == "edit the cat" and [p.name for p in sample.files] == ["cat.png", "cat_0.png", "cat_1.png"]
     assert [tuple(r.shape[-2:]) for r in sample.references] == [(64, 64), (96, 32)]
+
+
+def test_a_diffsynth_flux2_cache_is_refused_with_what_to_do(tmp_path):
+    from stages.compat.diffsynth_cache import import_cache
+
+    with pytest.raises(InputError, match="flux2 caches cannot be imported; encode the dataset with `splitflow "
+                                         "preprocess`"):
+        import_cache(str(tmp_path / "cache"), str(tmp_path / "dest.zarr"), family="flux2")
