@@ -9,6 +9,8 @@
 #   bench/h200_session.sh preprocess            # stage 1 per family: images/s, GPU peak within the budget
 #   bench/h200_session.sh train_step            # s/sample per batch size, FLUX.1-dev and Qwen-Image
 #   bench/h200_session.sh ranks                 # on 2+ GPUs: offloaded torchrun training, 1 vs all ranks
+#   bench/h200_session.sh flux2 [ROWS]          # FLUX.2-dev within 24 GB, klein within 16 GB vs resident
+#   bench/h200_session.sh flux2_preprocess      # FLUX.2-dev's 24 B Mistral (and klein 9B's Qwen3) within 8 GiB
 # MUSUBI_FILE is musubi-tuner's src/musubi_tuner/modules/custom_offloading_utils.py (not shipped here).
 # Install the carried wheels with --no-deps (pip --target resolves dependencies only among the wheels given):
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
@@ -67,11 +69,19 @@ train_step)
       --steps 1 --warmup 1 --prefetch 2 --budget-s 50 > "$OUT/train_step_${family}_h200.json"
   done
   ;;
+flux2)  # one worker process a row (dev's rows build 64 GB of random weights: a few minutes each)
+  timeout "$(left)" python3 -m bench.offload --cases flux2 --qwen-steps 10 ${2:+--flux2-rows "$2"} \
+    --out "$OUT/offload_flux2_h200.json" > /dev/null
+  ;;
+flux2_preprocess)
+  timeout "$(left)" python3 -m bench.preprocess --families flux2:dev,flux2:klein-base-9b --images 16 --batch 16 \
+    --steps throughput,memory,vae --out "$OUT/preprocess_flux2_h200.json" > /dev/null
+  ;;
 ranks)
   timeout "$(left)" python3 -m bench.ranks --workdir /tmp/ranks --dit-layers 16 --images 8 --pixels 1024 \
     --steps 12 --warmup 3 > "$OUT/ranks_h200x2.json"
   ;;
 *)
-  sed -n '2,11p' "$0"; exit 2
+  sed -n '2,13p' "$0"; exit 2
   ;;
 esac

@@ -15,7 +15,9 @@ tokenizers are the tiny test ones (the real vocabularies need the hub).  Per fam
   encoders; GPU peak per run (``max_memory_allocated`` in GiB, the unit of ``vram_budget_gb``);
   how far batch N's entries are from batch 1's (the batching tolerance);
 * ``memory``: the issue's targets -- Qwen-Image at 1328x1328 and FLUX.1-dev at 1024x1024 within
-  8 GiB, Wan2.1 with 81 frames at 480x832 within 12 GiB (offloaded, one part, after a warm-up);
+  8 GiB, Wan2.1 with 81 frames at 480x832 within 12 GiB, FLUX.2-dev (``--families flux2:dev``: its 24 B
+  Mistral-Small-3.2, 512-token prompts) and klein 9B at 1024x1024 within 8 GiB (offloaded, one part, after
+  a warm-up);
 * ``vae_bytes_per_pixel``: one VAE encode's measured peak over its pixels, beside the family's
   estimate that the budget logic uses;
 * ``gpus``: 1 vs all GPUs (``preprocess.devices = "all"``, one part per GPU) when there are several.
@@ -49,9 +51,12 @@ from stages.config import build_config  # noqa: E402
 
 GB = 1e9
 # family -> (image side for throughput, memory-target sample (frames, height, width), budget GB)
+# (a family's variant as ``family:variant``: FLUX.2-dev's 24 B Mistral, klein 9B's Qwen3-8B)
 TARGETS = {"qwen_image": (1024, (1, 1328, 1328), 8.0), "flux": (1024, (1, 1024, 1024), 8.0),
-           "wan": (None, (81, 480, 832), 12.0)}
-TINY = {"qwen_image": (64, (1, 96, 96), 0.0), "flux": (64, (1, 96, 96), 0.0), "wan": (None, (5, 64, 64), 0.0)}
+           "wan": (None, (81, 480, 832), 12.0), "flux2:dev": (1024, (1, 1024, 1024), 8.0),
+           "flux2:klein-base-9b": (1024, (1, 1024, 1024), 8.0)}
+TINY = {"qwen_image": (64, (1, 96, 96), 0.0), "flux": (64, (1, 96, 96), 0.0), "wan": (None, (5, 64, 64), 0.0),
+        "flux2:dev": (64, (1, 96, 96), 0.0), "flux2:klein-base-9b": (64, (1, 96, 96), 0.0)}
 WORDS = ("a photo of red blue green small large old young cat dog house tree river mountain city street "
          "at night in the morning under soft light with a wide lens detailed painting watercolor").split()
 
@@ -162,19 +167,21 @@ def batching_tolerance(url_a: str, url_b: str) -> dict:
 # --- one family ---------------------------------------------------------------------------------
 
 class Bench:
-    def __init__(self, args, family: str, root: Path, report: dict):
-        self.args, self.family, self.root, self.report = args, family, root, report
-        self.spec = get_family(family)
+    def __init__(self, args, entry: str, root: Path, report: dict):
+        self.args, self.root, self.report = args, root, report
+        self.family, _, self.spec_variant = entry.partition(":")  # "flux2:dev": a family's variant
+        self.spec = get_family(self.family, self.spec_variant or None)
         self.variant = None if args.tiny else self.spec.encoder_variants[0]
-        self.side, self.memory_sample, self.budget = (TINY if args.tiny else TARGETS)[family]
+        self.side, self.memory_sample, self.budget = (TINY if args.tiny else TARGETS)[entry]
         self.model = self.spec.save_tiny_model(root / "model", 0)  # configs for identity; weights replaced
-        self.out = report.setdefault(family, {"variant": self.variant or "tiny"})
+        self.out = report.setdefault(entry, {"variant": self.variant or "tiny"})
 
     def config(self, name: str, metadata: Path, side: int, dataset: dict | None = None, **preprocess_keys):
         keys = {"decode_workers": 4, "commit_every": 64, **preprocess_keys}
         return build_config({
             "dataset": {"metadata_path": str(metadata), "max_pixels": side * side, **(dataset or {})},
-            "model": {"family": self.family, "path": str(self.model), "dtype": "bfloat16"},
+            "model": {"family": self.family, "path": str(self.model), "dtype": "bfloat16",
+                      **({"variant": self.spec_variant} if self.spec_variant else {})},
             "cache": {"url": str(self.root / f"{name}.zarr")}, "output": {"path": str(self.root / "out")},
             "preprocess": {"device": "cuda" if _cuda() else "cpu", **keys}})
 
@@ -311,7 +318,7 @@ def main(argv=None) -> dict:
     report: dict = {"device": torch.cuda.get_device_name() if _cuda() else "cpu", "torch": torch.__version__}
     steps = args.steps.split(",")
     for family in args.families.split(","):
-        root = Path(tempfile.mkdtemp(prefix=f"bench-preprocess-{family}-"))
+        root = Path(tempfile.mkdtemp(prefix=f"bench-preprocess-{family.replace(':', '-')}-"))
         try:
             bench = Bench(args, family, root, report)
             for step, run in (("throughput", bench.throughput), ("memory", bench.memory),
