@@ -12,7 +12,6 @@ recommendation for a distilled model, the others do not.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -20,9 +19,8 @@ import threading
 import tomllib
 from pathlib import Path
 
-from safetensors import safe_open
-
-from stages.demo import write_demo_dataset
+from .test_diffsynth_scripts import _lora_modules
+from .test_diffsynth_z_image_scripts import _workdir
 
 REPO = Path(__file__).resolve().parents[2]
 BFL = "black-forest-labs"
@@ -74,14 +72,6 @@ BLOCK_MODULES = {"attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.a
                  "ff_context.linear_out"}
 
 
-def _workdir(release: Path, root: Path, data: str) -> Path:
-    (root / "models").mkdir(parents=True)
-    for entry in (release / "models").iterdir():
-        (root / "models" / entry.name).symlink_to(entry)
-    write_demo_dataset(root / data, count=2)
-    return root
-
-
 def _run_lane(commands: list[list[str]], cwd: Path, env: dict, results: list) -> None:
     """Each command of a script in turn (a split run's second needs the first's cache)."""
     for flags in commands:
@@ -92,13 +82,6 @@ def _run_lane(commands: list[list[str]], cwd: Path, env: dict, results: list) ->
             return
 
 
-def _trained(output: Path) -> tuple[set, dict]:
-    with safe_open(str(output / "lora.safetensors"), "pt") as handle:
-        modules = {k.removeprefix("transformer.").rsplit(".lora_", 1)[0] for k in handle.keys()}
-        header = json.loads(handle.metadata()["lora_adapter_metadata"])
-    return modules, header
-
-
 def test_diffsynth_flux2_scripts_run_unchanged(released_models, tmp_path, prefect_harness):
     from prefect.settings import PREFECT_API_URL
 
@@ -106,7 +89,7 @@ def test_diffsynth_flux2_scripts_run_unchanged(released_models, tmp_path, prefec
     env.pop("DIFFSYNTH_MODEL_BASE_PATH", None)
     lanes = {}
     for variant, commands in SCRIPTS.items():
-        cwd = _workdir(released_models("flux2"), tmp_path / variant, commands[0][1])
+        cwd = _workdir(released_models("flux2"), tmp_path / variant, commands[0])
         lanes[variant] = (cwd, commands, [])
     threads = [threading.Thread(target=_run_lane, args=(commands, cwd, env, results))
                for cwd, commands, results in lanes.values()]
@@ -120,7 +103,7 @@ def test_diffsynth_flux2_scripts_run_unchanged(released_models, tmp_path, prefec
         said = "".join(r.stdout + r.stderr for r in results)
         assert said.count(NOTICE) == (1 if variant == "klein-4b" else 0), variant
         output = cwd / commands[-1][commands[-1].index("--output_path") + 1]
-        modules, header = _trained(output)
+        modules, header = _lora_modules(output / "lora.safetensors")
         assert header["transformer.r"] == 32 and header["transformer.lora_alpha"] == 32  # DiffSynth: alpha = rank
         singles = {m for m in modules if m.startswith("single_transformer_blocks.")}
         assert {m.split(".", 2)[2] for m in singles} == {"attn.to_qkv_mlp_proj", "attn.to_out"}, variant

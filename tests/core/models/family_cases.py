@@ -107,14 +107,15 @@ def _qwen_edit_prompt(pipe, prompt, images):
 
 
 @functools.cache
-def edit_images():
-    """Two small reference images of different aspect (a red square on grey, a blue bar on white)."""
+def edit_images(scale: int = 1):
+    """Two small reference images of different aspect (a red square on grey, a blue bar on white); ``scale``
+    multiplies every side (the FLUX.2 pipelines refuse references under 64 pixels a side)."""
     from PIL import Image, ImageDraw
 
-    first = Image.new("RGB", (64, 48), "grey")
-    ImageDraw.Draw(first).rectangle((16, 12, 40, 36), fill="red")
-    second = Image.new("RGB", (48, 64), "white")
-    ImageDraw.Draw(second).rectangle((8, 20, 40, 30), fill="blue")
+    first = Image.new("RGB", (64 * scale, 48 * scale), "grey")
+    ImageDraw.Draw(first).rectangle(tuple(c * scale for c in (16, 12, 40, 36)), fill="red")
+    second = Image.new("RGB", (48 * scale, 64 * scale), "white")
+    ImageDraw.Draw(second).rectangle(tuple(c * scale for c in (8, 20, 40, 30)), fill="blue")
     return first, second
 
 
@@ -214,22 +215,10 @@ def _flux2_prompt(pipe, prompt):
     return {"prompt_embeds": embeds[0]}
 
 
-@functools.cache
-def flux2_images():
-    """Two references of different aspect, 64 pixels a side at least (the FLUX.2 pipelines refuse smaller)."""
-    from PIL import Image, ImageDraw
-
-    first = Image.new("RGB", (96, 64), "grey")
-    ImageDraw.Draw(first).rectangle((16, 12, 60, 40), fill="red")
-    second = Image.new("RGB", (64, 80), "white")
-    ImageDraw.Draw(second).ellipse((8, 20, 40, 60), fill="blue")
-    return [first, second]
-
-
 # dev with two references (guidance 1: what dit_forward trains with); klein base text-to-image with CFG.
 CASES += [
     FamilyCase("flux2_dev_edit", "flux2", (3, 1, 64, 96), dict(height=64, width=96, num_inference_steps=2,
-               guidance_scale=1.0, image=flux2_images(), max_sequence_length=FLUX2_TOKENS), _flux2_inputs,
+               guidance_scale=1.0, image=list(edit_images(2)), max_sequence_length=FLUX2_TOKENS), _flux2_inputs,
                _flux2_prompt, variant="dev", prompt_kwargs={"max_sequence_length": FLUX2_TOKENS},
                reference_shapes=((3, 1, 32, 64), (3, 1, 48, 32))),
     FamilyCase("flux2_klein_base", "flux2", (3, 1, 64, 96), dict(height=64, width=96, num_inference_steps=2,

@@ -7,10 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffsynth_core.gradient import apply_gradient_checkpointing
 from diffsynth_core.models import get_family
-from diffsynth_core.offload import OffloadTrainingManager
-from offload_tiny import add_lora, train
+from offload_tiny import assert_equal_runs, family_runs_with_and_without_engine
 
 SPEC = get_family("z_image")
 
@@ -24,21 +22,6 @@ def _inputs(model):
 
 @pytest.mark.parametrize("checkpoint", [False, True])
 def test_z_image_lora_training_with_the_engine_is_bitwise_identical(checkpoint):
-    runs = []
-    for engine in (False, True):
-        model = SPEC.build_transformer("tiny", torch.float32, "cpu")
-        torch.manual_seed(0)
-        model = add_lora(model, SPEC.lora_target_modules)
-        if checkpoint:
-            apply_gradient_checkpointing(model, SPEC.block_container_names)
-        mgr = (OffloadTrainingManager(model, "cpu", block_container_names=SPEC.block_container_names,
-                                      poison_evicted=True) if engine else None)
-        latents, sigmas, cond = _inputs(model)
-        runs.append(train(model, 3, lambda s, m: SPEC.dit_forward(model, latents + s, sigmas, cond).pow(2).mean(), mgr))
-        if mgr is not None:
-            blocks = sum(len(getattr(model, name)) for name in SPEC.block_container_names)
-            assert mgr.report()["streamed_units"] == blocks == 4
-            mgr.detach()
-    (la, ga), (lb, gb) = runs
-    assert len(la) == 3 and all(torch.equal(x, y) for x, y in zip(la, lb))
-    assert all(len(a) > 0 and all(torch.equal(x, y) for x, y in zip(a, b)) for a, b in zip(ga, gb))
+    runs, streamed = family_runs_with_and_without_engine(SPEC, _inputs, checkpoint)
+    assert streamed == 4  # noise_refiner, context_refiner and layers: every block streams
+    assert_equal_runs(runs)
