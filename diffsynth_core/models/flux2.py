@@ -523,5 +523,6 @@ SPEC = FamilySpec(
     variants=VARIANTS,
     variant_of=variant_of,
     encoders_variant=encoders_variant,
-    **{**VARIANTS["klein-base-4b"], "encoder_variants": tuple(ENCODER_CONFIGS)},
+    # the base spec is klein base 4B's (Qwen3 encodes its prompts); build_encoders knows dev's layout too
+    **{**VARIANTS["klein-base-4b"], "encoder_variants": ("FLUX.2-klein-4B", "FLUX.2-klein-9B")},
 )

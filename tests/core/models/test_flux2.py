@@ -123,6 +123,17 @@ def test_mistral_small_config_inferred_from_its_released_shapes():
     assert sum(p.numel() for p in text.parameters()) == pytest.approx(22.9e9, rel=0.01)  # no LM head (0.67 B)
 
 
+def test_the_benchmarks_released_encoders_feed_the_released_dits():
+    """Three stacked hidden layers of each text encoder are the DiT's context width; dev's is Mistral's text
+    decoder, which its variant encodes with."""
+    from diffsynth_core.models.flux2 import ENCODER_CONFIGS, TRANSFORMER_CONFIGS, _check_text_encoder
+
+    for layout in ("FLUX.2-dev", "FLUX.2-klein-4B", "FLUX.2-klein-9B"):
+        assert 3 * ENCODER_CONFIGS[layout]["hidden_size"] == TRANSFORMER_CONFIGS[layout]["joint_attention_dim"]
+    dev = get_family("flux2", "dev")
+    _check_text_encoder("mistral", dev.build_encoders(*dev.encoder_variants, torch.bfloat16, "meta")["text_encoder"])
+
+
 # --- stage 1 -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("variant, reference", [("dev", "reference-dev"), ("klein-base-4b", "reference")])
