@@ -13,12 +13,12 @@ Conventions (diffusers 0.42, pipelines/flux2/pipeline_flux2.py and pipeline_flux
   musubi-tuner's training value), klein none.  The prediction is the target's tokens alone.
 
 Variants are data (``VARIANTS``): ``dev`` (Mistral), ``klein-4b``/``klein-9b`` (step-distilled) and
-``klein-base-4b``/``klein-base-9b`` (klein's undistilled releases); ``variant_of`` tells them from the files.
+``klein-base-4b``/``klein-base-9b`` (klein's undistilled releases); ``flux2_released.variant_of`` tells them
+from the files.
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -27,11 +27,10 @@ import torch
 from . import encoders, flux2_lora, flux2_released, lora_export, single_file, tiny_tokenizers
 from .base import Components, FamilySpec, ReferenceRule
 from .inputs import check_pixel_batch, check_pixels
-from .loading import MODEL_INIT_LOCK, load_component, module_dtype, read_model_index_file, unwrap
+from .loading import MODEL_INIT_LOCK, load_component, module_dtype, unwrap
 from .loading import load_components as _load_components
 from .qwen_image import reference_latents
 from .random_models import build_random_transformer, random_module, random_tensor
-from .weight_files import read_shapes
 
 ENCODER_COMPONENTS = ("text_encoder", "tokenizer", "vae")
 PIPELINES = {"mistral": "Flux2Pipeline", "qwen3": "Flux2KleinPipeline"}
@@ -59,8 +58,6 @@ TRANSFORMER_CONFIGS = {
     "FLUX.2-klein-9B": dict(_RELEASED, num_layers=8, num_single_layers=24, num_attention_heads=32,
                             joint_attention_dim=12288, guidance_embeds=False),
 }
-# The released DiT widths tell the size: FLUX.2-dev 6144, klein 4B 3072, klein 9B 4096.
-SIZE_OF_WIDTH = {6144: "dev", 3072: "4b", 4096: "9b"}
 
 
 def _pipeline_cls(kind: str):
@@ -325,69 +322,6 @@ def dit_forward(transformer: torch.nn.Module, latents: torch.Tensor, sigmas: tor
 
 # --- variants -------------------------------------------------------------------------------------
 
-_DEV = re.compile(r"flux[._ -]?2[._ -]?dev", re.IGNORECASE)
-_KLEIN = re.compile(r"klein[._ -]?(base[._ -]?)?(4|9)b", re.IGNORECASE)
-
-
-def _klein(base: bool, size: str) -> str:
-    return f"klein-{'base-' if base else ''}{size}"
-
-
-def _from_names(path: Path) -> str | None:
-    """A release's name among the path's parts (``black-forest-labs/FLUX.2-klein-base-4B``,
-    ``flux-2-klein-4b.safetensors``)."""
-    for part in reversed(Path(path).parts):
-        if _DEV.search(part):
-            return "dev"
-        match = _KLEIN.search(part)
-        if match:
-            return _klein(bool(match.group(1)), match.group(2) + "b")
-    return None
-
-
-def _from_folder(path: Path) -> str | None:
-    """A diffusers folder: its pipeline class, ``is_distilled`` and the transformer's width."""
-    index = read_model_index_file(path)
-    if index.get("_class_name") == PIPELINES["mistral"]:
-        return "dev"
-    config = path / "transformer" / "config.json"
-    if not config.is_file():
-        return None
-    import json
-
-    dit = json.loads(config.read_text())
-    size = SIZE_OF_WIDTH.get(dit.get("num_attention_heads", 0) * dit.get("attention_head_dim", 0))
-    return _klein(not index.get("is_distilled", False), size) if size in ("4b", "9b") else None
-
-
-def variant_of(path: Path | None) -> str | None:
-    """The variant a model folder, transformer folder or DiT file is: from a diffusers folder's
-    model_index.json, else the release's name in the path, else FLUX.2-dev's width in the weights (klein's
-    base and distilled releases share every shape); None where nothing tells."""
-    if path is None:
-        return None
-    path = Path(path)
-    if (path / "model_index.json").is_file():
-        return _from_folder(path)
-    named = _from_names(path)
-    if named is not None or not path.exists():
-        return named
-    files = sorted(path.rglob("*.safetensors")) if path.is_dir() else [path]
-    if not files or files[0].suffix != ".safetensors":
-        return None
-    return "dev" if SIZE_OF_WIDTH.get(flux2_released.dit_width(read_shapes(files[:1])) or 0) == "dev" else None
-
-
-def encoders_variant(sources: Mapping[str, list[str]]) -> str | None:
-    """The variant the encoders' files alone tell (stage 1 of a split run names no DiT): only FLUX.2-dev
-    encodes with Mistral; klein's Qwen3 serves the base and the distilled release alike."""
-    files = [Path(p) for p in sources.get("text_encoder", []) if str(p).endswith(".safetensors")]
-    if files and any(k.startswith(("vision_tower.", "model.vision_tower.", "language_model.model."))
-                     for k in read_shapes(files)):
-        return "dev"
-    return None
-
-
 # What the reference implementation recommends when a distilled klein is trained as a base model
 # (musubi-tuner docs/flux_2.md; Black Forest Labs release the base models for fine-tuning).
 KLEIN_TRAINING_NOTICE = (
@@ -521,8 +455,8 @@ SPEC = FamilySpec(
     # sides multiples of 32, by cover-and-crop (edit_image_auto_resize); the prompt sees no image.
     references=ReferenceRule(max_count=None, vae_area=1024 * 1024, vae_multiple=32, vae_crop=True),
     variants=VARIANTS,
-    variant_of=variant_of,
-    encoders_variant=encoders_variant,
+    variant_of=flux2_released.variant_of,
+    encoders_variant=flux2_released.encoders_variant,
     # the base spec is klein base 4B's (Qwen3 encodes its prompts); build_encoders knows dev's layout too
     **{**VARIANTS["klein-base-4b"], "encoder_variants": ("FLUX.2-klein-4B", "FLUX.2-klein-9B")},
 )

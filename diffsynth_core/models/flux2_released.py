@@ -12,18 +12,22 @@
   hidden states, so the vision tower, projector and LM head are never read.
 
 ``bfl_module`` is the diffusers -> BFL module map (the inverse of that converter), which the
-ComfyUI LoRA export and the test fixtures use.
+ComfyUI LoRA export and the test fixtures use.  ``variant_of`` and ``encoders_variant`` tell the variants
+apart from the files.
 """
 
 from __future__ import annotations
 
+import json
 import re
-from typing import Any
+from pathlib import Path
+from typing import Any, Mapping
 
 import torch
 
+from .loading import read_model_index_file
 from .released import ReleasedFormat, count_indices
-from .weight_files import Shapes, StateDict
+from .weight_files import Shapes, StateDict, read_shapes
 
 # The release's facts that are not in the weights' shapes (black-forest-labs/FLUX.2-dev transformer/config.json;
 # the klein releases share them).
@@ -148,6 +152,71 @@ def dit_width(s: Shapes) -> int | None:
         if key.endswith(("attn.to_out.0.weight", "img_attn.proj.weight", "attn.to_out.weight", "linear2.weight",
                          "x_embedder.weight", "img_in.weight")):
             return shape[0]
+    return None
+
+
+# --- telling the variants apart --------------------------------------------------------------------
+
+# The released DiT widths tell the size: FLUX.2-dev 6144, klein 4B 3072, klein 9B 4096.
+SIZE_OF_WIDTH = {6144: "dev", 3072: "4b", 4096: "9b"}
+_DEV = re.compile(r"flux[._ -]?2[._ -]?dev", re.IGNORECASE)
+_KLEIN = re.compile(r"klein[._ -]?(base[._ -]?)?(4|9)b", re.IGNORECASE)
+
+
+def _klein(base: bool, size: str) -> str:
+    return f"klein-{'base-' if base else ''}{size}"
+
+
+def _from_names(path: Path) -> str | None:
+    """A release's name among the path's parts (``black-forest-labs/FLUX.2-klein-base-4B``,
+    ``flux-2-klein-4b.safetensors``)."""
+    for part in reversed(Path(path).parts):
+        if _DEV.search(part):
+            return "dev"
+        match = _KLEIN.search(part)
+        if match:
+            return _klein(bool(match.group(1)), match.group(2) + "b")
+    return None
+
+
+def _from_folder(path: Path) -> str | None:
+    """A diffusers folder: its pipeline class, ``is_distilled`` and the transformer's width."""
+    index = read_model_index_file(path)
+    if index.get("_class_name") == "Flux2Pipeline":
+        return "dev"
+    config = path / "transformer" / "config.json"
+    if not config.is_file():
+        return None
+    dit = json.loads(config.read_text())
+    size = SIZE_OF_WIDTH.get(dit.get("num_attention_heads", 0) * dit.get("attention_head_dim", 0))
+    return _klein(not index.get("is_distilled", False), size) if size in ("4b", "9b") else None
+
+
+def variant_of(path: Path | None) -> str | None:
+    """The variant a model folder, transformer folder or DiT file is: from a diffusers folder's
+    model_index.json, else the release's name in the path, else FLUX.2-dev's width in the weights (klein's
+    base and distilled releases share every shape); None where nothing tells."""
+    if path is None:
+        return None
+    path = Path(path)
+    if (path / "model_index.json").is_file():
+        return _from_folder(path)
+    named = _from_names(path)
+    if named is not None or not path.exists():
+        return named
+    files = sorted(path.rglob("*.safetensors")) if path.is_dir() else [path]
+    if not files or files[0].suffix != ".safetensors":
+        return None
+    return "dev" if SIZE_OF_WIDTH.get(dit_width(read_shapes(files[:1])) or 0) == "dev" else None
+
+
+def encoders_variant(sources: Mapping[str, list[str]]) -> str | None:
+    """The variant the encoders' files alone tell (stage 1 of a split run names no DiT): only FLUX.2-dev
+    encodes with Mistral; klein's Qwen3 serves the base and the distilled release alike."""
+    files = [Path(p) for p in sources.get("text_encoder", []) if str(p).endswith(".safetensors")]
+    if files and any(k.startswith(("vision_tower.", "model.vision_tower.", "language_model.model."))
+                     for k in read_shapes(files)):
+        return "dev"
     return None
 
 
