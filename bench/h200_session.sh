@@ -15,6 +15,8 @@
 #                                               # stage 1 within 12 GiB
 #   bench/h200_session.sh a14b                  # Wan2.2 T2V-A14B, both experts streamed in 24 GB (81x480x832)
 #                                               # vs one expert resident
+#   bench/h200_session.sh flux2 [ROWS]          # FLUX.2-dev within 24 GB, klein within 16 GB vs resident
+#   bench/h200_session.sh flux2_preprocess      # FLUX.2-dev's 24 B Mistral (and klein 9B's Qwen3) within 8 GiB
 # MUSUBI_FILE is musubi-tuner's src/musubi_tuner/modules/custom_offloading_utils.py (not shipped here).
 # Install the carried wheels with --no-deps (pip --target resolves dependencies only among the wheels given):
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
@@ -73,6 +75,14 @@ train_step)
       --steps 1 --warmup 1 --prefetch 2 --budget-s 50 > "$OUT/train_step_${family}_h200.json"
   done
   ;;
+flux2)  # one worker process a row (dev's rows build 64 GB of random weights: a few minutes each)
+  timeout "$(left)" python3 -m bench.offload --cases flux2 --qwen-steps 10 ${2:+--flux2-rows "$2"} \
+    --out "$OUT/offload_flux2_h200.json" > /dev/null
+  ;;
+flux2_preprocess)
+  timeout "$(left)" python3 -m bench.preprocess --families flux2:dev,flux2:klein-base-9b --images 16 --batch 16 \
+    --steps throughput,memory,vae --out "$OUT/preprocess_flux2_h200.json" > /dev/null
+  ;;
 ranks)
   timeout "$(left)" python3 -m bench.ranks --workdir /tmp/ranks --dit-layers 16 --images 8 --pixels 1024 \
     --steps 12 --warmup 3 > "$OUT/ranks_h200x2.json"
@@ -101,6 +111,6 @@ a14b)
     --steps 2 --warmup 1 --out "$OUT/train_step_a14b_resident_h200.json" > /dev/null
   ;;
 *)
-  sed -n '2,18p' "$0"; exit 2
+  sed -n '2,20p' "$0"; exit 2
   ;;
 esac

@@ -13,6 +13,12 @@ allocator, pinned memory or RNG state, and ratios are taken between rows of one 
   RAM peak (VmHWM) against the DiT's bytes, planned vs measured host->device bytes per step.
   ``--profile-step K`` adds, per row, how long each CUDA stream was busy in step K + 1 and its
   costliest kernels (the compute stream's idle time is what the step waited for).
+* ``flux2``: FLUX.2's released DiTs the same way (``--flux2-rows``): FLUX.2-dev (8 + 48 blocks, 32.2 B
+  parameters, 64 GB in bf16) resident and within 24 GB (packed bf16 or fp8 storage), klein 9B and 4B resident
+  and within 16 GB; LoRA r32 on DiffSynth's targets, 1024², 512 text tokens, compiled blocks, fused AdamW.
+  Each row's s/step over its layout's resident row (``step_over_resident_compiled``) and host peak over the
+  DiT's bytes (``host_peak_over_dit``).  Where dev cannot train resident (an 80 GB GPU), ``--flux2-dev-layers
+  4,24`` runs every dev row at half depth, the ratio then being that stack's, as ``fp8_loss`` does for Qwen.
 * ``fp8_loss``: the same model at real width but 8 blocks, 100 steps with bf16 storage and with fp8
   storage, same samples and noise: the loss difference.
 * ``determinism``: ``train.deterministic`` on CUDA, 4 real-width blocks at 512²: two runs, and a
@@ -110,11 +116,32 @@ def _spawn(args: list[str], timeout: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-# --- Qwen-Image through the real Trainer -------------------------------------------------------------
-def qwen_worker(a) -> dict:
+# --- a released DiT layout through the real Trainer --------------------------------------------------
+# --layout -> (family, its variant, released layout, the config keys --layers sets: one count per key)
+LAYOUTS = {"qwen_image": ("qwen_image", None, "Qwen-Image", ("num_layers",)),
+           "flux2_dev": ("flux2", "dev", "FLUX.2-dev", ("num_layers", "num_single_layers")),
+           "flux2_klein_4b": ("flux2", "klein-base-4b", "FLUX.2-klein-4B", ("num_layers", "num_single_layers")),
+           "flux2_klein_9b": ("flux2", "klein-base-9b", "FLUX.2-klein-9B", ("num_layers", "num_single_layers"))}
+
+
+def _layout_model(a, device: torch.device):
+    """The family spec and the DiT of ``--layout`` with random bf16 weights made on ``device``, ``--layers``
+    blocks deep (``--quick``: the family's tiny widths)."""
+    import importlib
+
     from diffsynth_core.models import get_family
-    from diffsynth_core.models import qwen_image
     from diffsynth_core.models.random_models import build_random_transformer
+
+    family, variant, released, depth_keys = LAYOUTS[a.layout]
+    module = importlib.import_module(f"diffsynth_core.models.{family}")
+    real = module.TRANSFORMER_CONFIGS["tiny" if a.quick else released]
+    depths = [int(n) for n in str(a.layers).split(",")] if a.layers else [real[k] for k in depth_keys]
+    layout = {"w": {**real, **dict(zip(depth_keys, depths))}}
+    spec = get_family(family, variant)
+    return spec, build_random_transformer(module.TRANSFORMER_CLASS, layout, "w", torch.bfloat16, device)
+
+
+def qwen_worker(a) -> dict:
     from diffsynth_core.training.device import avoid_broken_kernels, configure_determinism
     from diffsynth_core.training.loop import Trainer
     from stages.config import OffloadSection, TrainSection
@@ -122,10 +149,7 @@ def qwen_worker(a) -> dict:
     configure_determinism(a.deterministic, 0)  # before the first cuBLAS call of this process
     device = avoid_broken_kernels(a.device)
     cuda = device.type == "cuda"
-    spec = get_family("qwen_image")
-    real = qwen_image.TRANSFORMER_CONFIGS["tiny" if a.quick else "Qwen-Image"]  # --quick: tiny widths too
-    layout = {"w": {**real, "num_layers": a.layers}}
-    model = build_random_transformer(qwen_image.TRANSFORMER_CLASS, layout, "w", torch.bfloat16, device)
+    spec, model = _layout_model(a, device)
     dit_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if a.offload:  # weights live in host memory, as a loaded model's would
         model.to("cpu")
@@ -148,7 +172,7 @@ def qwen_worker(a) -> dict:
     stamps: list[float] = []
     profiler = StepProfiler(a.profile_step)
 
-    lag = GpuLag(model.transformer_blocks) if cuda else None
+    lag = GpuLag([block for name in spec.block_container_names for block in getattr(model, name)]) if cuda else None
     phases = ForwardShare(model) if cuda else None
 
     def clock(step, _model):
@@ -507,6 +531,53 @@ def case_qwen20b(a) -> dict:
         base = res.get("resident_compiled" if "_compiled" in name else "resident", {})
         if row.get("budget_gb") and base.get("gpu_forward_s") and "fp8" not in name and "packed" not in name:  # bf16 bytes only
             row["lower_bound"] = forward_copy_bound(base, row)
+    return res
+
+
+# --- FLUX.2: dev within 24 GB, klein within 16 GB --------------------------------------------------------
+# (layout, GPU budget in GB) of each row prefix; rows: resident, streamed in bf16, packed or fp8, with the
+# checkpointed block inputs in host memory (_act); all with compiled blocks (ratios to resident_compiled).
+FLUX2_LAYOUTS = {"dev": ("flux2_dev", 24), "klein9b": ("flux2_klein_9b", 16), "klein4b": ("flux2_klein_4b", 16)}
+FLUX2_DEFAULT_ROWS = ("dev_resident_compiled", "dev_packed_budget_24gb_compiled", "dev_fp8_budget_24gb_compiled",
+                      "klein9b_resident_compiled", "klein9b_budget_16gb_compiled",
+                      "klein9b_packed_budget_16gb_compiled", "klein4b_resident_compiled",
+                      "klein4b_budget_16gb_compiled")
+
+
+def flux2_row_args(a) -> dict[str, list[str]]:
+    """Every flux2 row's worker arguments: LoRA r32 at 1024², 512 text tokens, compiled blocks, fused AdamW."""
+    px = "64" if a.quick else "1024"
+    rows = {}
+    for prefix, (layout, gb) in FLUX2_LAYOUTS.items():
+        common = ["--layout", layout, "--height", px, "--steps", str(a.qwen_steps), "--warmup", "3", "--compile",
+                  "--fused-adamw"]
+        if prefix == "dev" and a.flux2_dev_layers:
+            common += ["--layers", a.flux2_dev_layers]
+        budget = [*common, "--offload", "--budget-gib", f"{gb * 1e9 / GIB:.3f}"]
+        rows.update({f"{prefix}_resident_compiled": common, f"{prefix}_budget_{gb}gb_compiled": budget,
+                     f"{prefix}_packed_budget_{gb}gb_compiled": [*budget, "--storage", "packed_bfloat16"],
+                     f"{prefix}_fp8_budget_{gb}gb_compiled": [*budget, "--storage", "float8_e4m3fn"],
+                     f"{prefix}_packed_budget_{gb}gb_act_compiled": [*budget, "--storage", "packed_bfloat16",
+                                                                     "--act-offload"]})
+    return rows
+
+
+def case_flux2(a) -> dict:
+    """FLUX.2's released DiTs (dev 32 B, klein 9B / 4B) through the real Trainer; each row against its layout's
+    resident row (step time) and its DiT's bytes (host peak)."""
+    rows = flux2_row_args(a)
+    wanted = a.flux2_rows.split(",")
+    unknown = sorted(set(wanted) - set(rows))
+    if unknown:
+        raise SystemExit(f"--flux2-rows: no row named {', '.join(unknown)} (rows: {', '.join(rows)})")
+    res = {}
+    for name in wanted:
+        res[name] = _spawn(["--worker", "dit", *rows[name]], 900)
+        _save_partial(res)
+    for name, row in res.items():
+        resident = res.get(f"{name.split('_', 1)[0]}_resident_compiled", {}).get("step_s")
+        if resident and row.get("step_s") and "_resident" not in name:
+            row["step_over_resident_compiled"] = row["step_s"] / resident
     return res
 
 
@@ -922,7 +993,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small sizes, to check the bench runs")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    for flag, kind in (("--layers", int), ("--height", int), ("--steps", int), ("--warmup", int),
+    ap.add_argument("--layers", default=None, help="block counts of the DiT, one per depth key of --layout (8,48)")
+    ap.add_argument("--layout", default="qwen_image", choices=sorted(LAYOUTS), help=argparse.SUPPRESS)
+    ap.add_argument("--flux2-rows", default=",".join(FLUX2_DEFAULT_ROWS),
+                    help="flux2 rows: <dev|klein9b|klein4b>_ + resident_compiled, budget_<GB>gb_compiled, "
+                         "packed_budget_<GB>gb[_act]_compiled, fp8_budget_<GB>gb_compiled (24 GB for dev, 16 klein)")
+    ap.add_argument("--flux2-dev-layers", default=None,
+                    help="FLUX.2-dev's (double, single) blocks for its rows, e.g. 4,24 where 8,48 cannot run resident")
+    for flag, kind in (("--height", int), ("--steps", int), ("--warmup", int),
                        ("--save-steps", int), ("--prefetch", int), ("--text-len", int), ("--threads-less", int),
                        ("--profile-step", int)):
         ap.add_argument(flag, type=kind, default={"--text-len": 512, "--prefetch": 1, "--save-steps": 0,
@@ -956,7 +1034,7 @@ def main() -> None:
                  "--keep-device-state"):
         ap.add_argument(flag, action="store_true")
     a = ap.parse_args()
-    if a.worker == "qwen":
+    if a.worker in ("qwen", "dit"):
         out = qwen_worker(a)
         lora = out.pop("lora")
         if a.lora_file and lora is not None:
@@ -969,7 +1047,7 @@ def main() -> None:
     DEVICE[:] = ["--device", a.device]
     QUICK[:] = ["--quick"] if a.quick else []
     cases = {"optim": case_optim, "qwen20b": case_qwen20b, "fp8_loss": case_fp8_loss, "determinism": case_determinism,
-             "widen": case_widen}
+             "widen": case_widen, "flux2": case_flux2}
     out = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__}
     for name in a.cases.split(","):
         PARTIAL.update(path=a.out, doc=out, case=name)

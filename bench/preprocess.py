@@ -15,7 +15,9 @@ tokenizers are the tiny test ones (the real vocabularies need the hub).  Per fam
   encoders; GPU peak per run (``max_memory_allocated`` in GiB, the unit of ``vram_budget_gb``);
   how far batch N's entries are from batch 1's (the batching tolerance);
 * ``memory``: the issue's targets -- Qwen-Image at 1328x1328 and FLUX.1-dev at 1024x1024 within
-  8 GiB, Wan2.1 with 81 frames at 480x832 within 12 GiB (offloaded, one part, after a warm-up);
+  8 GiB, Wan2.1 with 81 frames at 480x832 within 12 GiB, FLUX.2-dev (``--families flux2:dev``: its 24 B
+  Mistral-Small-3.2, 512-token prompts) and klein 9B at 1024x1024 within 8 GiB (offloaded, one part, after
+  a warm-up);
 * ``vae_bytes_per_pixel``: one VAE encode's measured peak over its pixels, beside the family's
   estimate that the budget logic uses;
 * ``gpus``: 1 vs all GPUs (``preprocess.devices = "all"``, one part per GPU) when there are several.
@@ -50,18 +52,24 @@ from stages.config import build_config  # noqa: E402
 
 GB = 1e9
 # family -> (image side for throughput, memory-target sample (frames, height, width), budget GB)
+# (a family's variant as ``family:variant``: FLUX.2-dev's 24 B Mistral, klein 9B's Qwen3-8B)
 TARGETS = {"qwen_image": (1024, (1, 1328, 1328), 8.0), "flux": (1024, (1, 1024, 1024), 8.0),
            "wan": (None, (81, 480, 832), 12.0), "qwen_image21": (1024, (1, 1024, 1024), 8.0)}
 TINY = {"qwen_image": (64, (1, 96, 96), 0.0), "flux": (64, (1, 96, 96), 0.0), "wan": (None, (5, 64, 64), 0.0),
         "qwen_image21": (64, (1, 96, 96), 0.0)}
 # Variants (``--families family:variant``): Edit-2509 with two references at 1024^2 (throughput) and a 1328^2
 # target with three references within 8 GiB (memory; the vision tower sees each reference, the VAE encodes
-# target and references); Wan2.2 TI2V-5B's umT5 and 16x VAE at 121 frames of 704x1280 within 12 GiB.
-# variant -> (throughput side, memory sample, budget GB, references (throughput, memory), released encoders)
+# target and references); Wan2.2 TI2V-5B's umT5 and 16x VAE at 121 frames of 704x1280 within 12 GiB; FLUX.2-dev's
+# 24 B Mistral and klein 9B's Qwen3 within 8 GiB.  variant -> (throughput side, memory sample, budget GB,
+# references (throughput, memory), released encoders (None: the variant's first))
 VARIANTS = {"qwen_image:edit-2509": (1024, (1, 1328, 1328), 8.0, (2, 3), "Qwen-Image"),
-            "wan:ti2v-5b": (None, (121, 704, 1280), 12.0, (0, 0), "Wan2.2")}
+            "wan:ti2v-5b": (None, (121, 704, 1280), 12.0, (0, 0), "Wan2.2"),
+            "flux2:dev": (1024, (1, 1024, 1024), 8.0, (0, 0), None),
+            "flux2:klein-base-9b": (1024, (1, 1024, 1024), 8.0, (0, 0), None)}
 TINY_VARIANTS = {"qwen_image:edit-2509": (64, (1, 96, 96), 0.0, (2, 3), None),
-                 "wan:ti2v-5b": (None, (5, 64, 64), 0.0, (0, 0), None)}
+                 "wan:ti2v-5b": (None, (5, 64, 64), 0.0, (0, 0), None),
+                 "flux2:dev": (64, (1, 96, 96), 0.0, (0, 0), None),
+                 "flux2:klein-base-9b": (64, (1, 96, 96), 0.0, (0, 0), None)}
 WORDS = ("a photo of red blue green small large old young cat dog house tree river mountain city street "
          "at night in the morning under soft light with a wide lens detailed painting watercolor").split()
 
@@ -187,16 +195,16 @@ class Bench:
     def __init__(self, args, name: str, root: Path, report: dict):
         """``name``: a family, or ``family:variant`` (``VARIANTS``)."""
         self.args, self.root, self.report = args, root, report
-        self.family, _, spec_variant = name.partition(":")
-        self.spec = get_family(self.family, spec_variant or None)
-        if spec_variant:
+        self.family, _, self.spec_variant = name.partition(":")
+        self.spec = get_family(self.family, self.spec_variant or None)
+        if self.spec_variant:
             self.side, self.memory_sample, self.budget, (self.references, self.memory_references), layout = (
                 TINY_VARIANTS if args.tiny else VARIANTS)[name]
         else:
             self.side, self.memory_sample, self.budget = (TINY if args.tiny else TARGETS)[name]
             self.references = self.memory_references = 0
             layout = self.spec.encoder_variants[0]
-        self.variant = None if args.tiny else layout
+        self.variant = None if args.tiny else layout or self.spec.encoder_variants[0]
         self.model = self.spec.save_tiny_model(root / "model", 0)  # configs for identity; weights replaced
         self.out = report.setdefault(name, {"variant": self.variant or "tiny", "references": self.references,
                                             "memory_references": self.memory_references})
@@ -207,7 +215,8 @@ class Bench:
             dataset = {"data_file_keys": ["image", "edit_image"], "reference_pixels": side * side, **(dataset or {})}
         return build_config({
             "dataset": {"metadata_path": str(metadata), "max_pixels": side * side, **(dataset or {})},
-            "model": {"family": self.family, "path": str(self.model), "dtype": "bfloat16"},
+            "model": {"family": self.family, "path": str(self.model), "dtype": "bfloat16",
+                      **({"variant": self.spec_variant} if self.spec_variant else {})},
             "cache": {"url": str(self.root / f"{name}.zarr")}, "output": {"path": str(self.root / "out")},
             "preprocess": {"device": "cuda" if _cuda() else "cpu", **keys}})
 
@@ -345,7 +354,7 @@ def main(argv=None) -> dict:
     report: dict = {"device": torch.cuda.get_device_name() if _cuda() else "cpu", "torch": torch.__version__}
     steps = args.steps.split(",")
     for family in args.families.split(","):
-        root = Path(tempfile.mkdtemp(prefix=f"bench-preprocess-{family}-"))
+        root = Path(tempfile.mkdtemp(prefix=f"bench-preprocess-{family.replace(':', '-')}-"))
         try:
             bench = Bench(args, family, root, report)
             for step, run in (("throughput", bench.throughput), ("memory", bench.memory),

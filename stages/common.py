@@ -211,6 +211,8 @@ def family_of(cfg: RunConfig) -> FamilySpec:
     for where in [Path(where) for where in places] or [None]:
         if variant is None and spec.variant_of is not None:
             variant = spec.variant_of(where)
+    if variant is None and spec.encoders_variant is not None and cfg.model.sources:
+        variant = spec.encoders_variant(cfg.model.sources)  # e.g. stage 1 of a split run: encoders only
     where = places[0] if places else None
     if variant is None:
         if not cfg.model.path and not cfg.model.sources:  # no model at all: that is the line to give

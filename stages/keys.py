@@ -62,7 +62,7 @@ def identities(cfg: RunConfig, spec: FamilySpec) -> tuple[dict, dict, dict]:
     identity = encoder_identity(cfg, spec)
     components = identity["components"]
     pixels = {"family": spec.name, "components": {k: v for k, v in components.items() if k in PIXEL_COMPONENTS}}
-    text = {"family": spec.name, "variant": spec.variant,
+    text = {"family": spec.name, "variant": spec.prompt_template or spec.variant,
             "components": {k: v for k, v in components.items() if k not in PIXEL_COMPONENTS}}
     return identity, pixels, text
 

@@ -75,10 +75,10 @@ class ValidationRenderer:
             import diffusers
 
             pipeline_class = getattr(diffusers, self.spec.pipeline_class_name)
-            # A VL processor loads as the family loads it (transformers' own wants torchvision).
-            extra = ({"processor": self.spec.load_components(Path(self.cfg.model.path), ("processor",),
-                                                             model_dtype(self.cfg), "cpu")["processor"]}
-                     if "processor" in self.spec.encoder_components else {})
+            # The tokenizer and a VL processor load as the family loads them: transformers' own processors
+            # (Qwen2-VL's, FLUX.2-dev's Pixtral) want torchvision.
+            names = tuple(n for n in ("processor", "tokenizer") if n in self.spec.encoder_components)
+            extra = self.spec.load_components(Path(self.cfg.model.path), names, model_dtype(self.cfg), "cpu")
             self._pipe = pipeline_class.from_pretrained(self.cfg.model.path, transformer=transformer,
                                                         dtype=model_dtype(self.cfg), **extra)
         return self._pipe

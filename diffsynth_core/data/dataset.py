@@ -338,7 +338,7 @@ class SampleDataset(Dataset):
                 raise self._error(index, f"column {column!r}: {e}", file=path) from e
             height, width = self._reference_vae_size(index, column, path, original, target)
             if self.reference_size == "family" and not self.reference_pixels and rule.vae_area \
-                    and not rule.match_target:
+                    and not rule.match_target and not rule.vae_crop:
                 vae_image = resized(vae_input, height, width)  # the reference pipeline's stretch
             else:  # to the target's size, a floored own size, a musubi area: cover and centre-crop
                 vae_image = crop_and_resize(vae_input, height, width)

@@ -21,6 +21,7 @@ _FAMILY_MODULES = {
     "wan": "wan",
     "z_image": "z_image",
     "qwen_image21": "qwen_image21",
+    "flux2": "flux2",
 }
 
 

@@ -70,6 +70,9 @@ class ReferenceRule:
     vae_area: int | None = 1024 * 1024
     vae_multiple: int = 32
     match_target: bool = False
+    # At ``vae_area``: cover the size and centre-crop (DiffSynth's FLUX.2 ``edit_image_auto_resize``) rather
+    # than stretch to it (the edit pipelines' resize).
+    vae_crop: bool = False
     # The text encoder's vision tower: about ``text_area`` pixels; None: the prompt takes no images.
     text_area: int | None = None
     text_multiple: int = 32
@@ -186,6 +189,12 @@ class FamilySpec:
     variant: str | None = None
     # variant_of(model_path or None: no folder) -> the variant the files are, or None where they cannot tell
     variant_of: Callable[[Path], str | None] | None = None
+    # encoders_variant(model.sources) -> the variant the encoders' files alone tell (a split run's first
+    # stage names no DiT), or None: asked when nothing else tells
+    encoders_variant: Callable[[Mapping[str, list[str]]], str | None] | None = None
+    # What prompt entries depend on among variants (the template and text encoder kind): variants that encode
+    # prompts alike share their cache entries; None: the variant's name
+    prompt_template: str | None = None
     experts: tuple[Expert, ...] = ()
     # The VAE takes RGBA (Qwen-Image-2.1): targets keep their alpha, RGB files get an opaque one, and
     # ``encode_pixels`` takes (4, F, H, W); references follow ``ReferenceRule.alpha``.

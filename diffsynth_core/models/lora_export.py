@@ -286,19 +286,24 @@ def _header(lora_config: dict[str, Any]) -> dict[str, str]:
 
 
 def export_lora_files(pipeline_cls: type, peft_state_dict: dict[str, torch.Tensor], lora_config: dict[str, Any],
-                      out_dir: Path, *, comfyui_name: Callable[[str], str],
-                      diffsynth_layout: Callable[[dict[str, Pair]], dict[str, Pair]],
+                      out_dir: Path, *, diffsynth_layout: Callable[[dict[str, Pair]], dict[str, Pair]],
+                      comfyui_name: Callable[[str], str] | None = None,
+                      comfyui_state_dict: Callable[[dict, dict], dict[str, torch.Tensor]] | None = None,
                       stem: str = "lora") -> dict[str, Path]:
     """Write the diffusers, ComfyUI and DiffSynth files of one LoRA; returns consumer -> path.
 
-    ``comfyui_name(module)`` is the ComfyUI key of a diffusers module; ``diffsynth_layout``
-    maps ``{module: scaled pair}`` onto DiffSynth's module names (renaming, fusing).
+    ``comfyui_name(module)`` is the ComfyUI key of a diffusers module, or ``comfyui_state_dict(peft state
+    dict, lora_config)`` the whole ComfyUI file where ComfyUI's layers fuse several of the model's (FLUX.2);
+    ``diffsynth_layout`` maps ``{module: scaled pair}`` onto DiffSynth's module names (renaming, fusing).
     """
+    if (comfyui_name is None) == (comfyui_state_dict is None):
+        raise ValueError("give exactly one of comfyui_name and comfyui_state_dict")
     out_dir, names = Path(out_dir), file_names(stem)
     paths = {"diffusers": save_diffusers_lora(pipeline_cls, peft_state_dict, lora_config, out_dir,
                                               names["diffusers"])}
     header = _header(lora_config)
-    comfy = comfy_state_dict(peft_state_dict, lora_config, comfyui_name)
+    comfy = (comfyui_state_dict(peft_state_dict, lora_config) if comfyui_state_dict is not None
+             else comfy_state_dict(peft_state_dict, lora_config, comfyui_name))
     paths["comfyui"] = write_safetensors(out_dir / names["comfyui"], comfy, header)
     diffsynth = diffsynth_state_dict(diffsynth_layout(scaled_pairs(peft_state_dict, lora_config)))
     paths["diffsynth"] = write_safetensors(out_dir / names["diffsynth"], diffsynth,

@@ -135,3 +135,23 @@ def t5_tokenizer(model_max_length: int = 32):
     pieces += [("▁" + w, -1.0) for w in _PLAIN_WORDS]
     pieces += [(chr(c), -5.0) for c in range(33, 127)]
     return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=model_max_length)
+
+
+# Mistral-Small's chat template in outline (FLUX.2-dev's tokenizer/chat_template.jinja): BOS, the system message
+# in [SYSTEM_PROMPT] tags, each user turn in [INST] tags; message content is a list of text parts.
+_MISTRAL_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% set text = m['content'] if m['content'] is string else m['content'] | map(attribute='text') | join('') %}"
+    "{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]"
+    "{% elif m['role'] == 'user' %}[INST]{{ text }}[/INST]{% else %}{{ text }}</s>{% endif %}{% endfor %}"
+)
+
+
+def mistral_tokenizer():
+    """``qwen2_tokenizer``'s byte-level BPE with Mistral's BOS/EOS and chat tags: what FLUX.2-dev's pipeline
+    calls (``apply_chat_template`` with the system message, padded to the max length)."""
+    tok = qwen2_tokenizer()
+    tok.add_special_tokens({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "additional_special_tokens":
+                            ["[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]"]})
+    tok.chat_template = _MISTRAL_CHAT_TEMPLATE
+    return tok

@@ -21,7 +21,7 @@ import torch
 
 SAMPLING_SCHEMES = ("uniform", "logit_normal", "shift", "resolution_shift", "diffsynth")
 WEIGHTING_SCHEMES = ("none", "sigma_sqrt", "cosmap", "diffsynth")
-DIFFSYNTH_TEMPLATES = ("FLUX.1", "Wan", "Qwen-Image", "Z-Image")
+DIFFSYNTH_TEMPLATES = ("FLUX.1", "Wan", "Qwen-Image", "Z-Image", "FLUX.2")
 DIFFSYNTH_STEPS = 1000  # DiffSynth trains on set_timesteps(1000, training=True)
 
 
@@ -40,9 +40,14 @@ def resolution_shift(num_tokens: int, base_tokens: int = 256, max_tokens: int = 
 
 # --- DiffSynth-Studio's training schedule ------------------------------------------------------
 # Source: DiffSynth-Studio diffsynth/diffusion/flow_match.py (FlowMatchScheduler.set_timesteps_flux,
-# set_timesteps_wan, set_timesteps_qwen_image, set_timesteps_z_image, set_training_weight, training_weight), called as
-# set_timesteps(1000, training=True) by diffsynth/diffusion/training_module.py; the loss that draws
-# from it is diffsynth/diffusion/loss.py::FlowMatchSFTLoss.  Computed here in float64, kept in float32.
+# set_timesteps_wan, set_timesteps_qwen_image, set_timesteps_z_image, set_timesteps_flux2, set_training_weight,
+# training_weight), called as set_timesteps(1000, training=True) by diffsynth/diffusion/training_module.py; the
+# loss that draws from it is diffsynth/diffusion/loss.py::FlowMatchSFTLoss.  Computed in float64, kept in float32.
+
+def _exponential_shift(sigmas: torch.Tensor, mu: float) -> torch.Tensor:
+    """e^mu / (e^mu + 1/sigma - 1): DiffSynth's Qwen-Image and FLUX.2 shift."""
+    return math.exp(mu) / (math.exp(mu) + (1.0 / sigmas - 1.0))
+
 
 @lru_cache(maxsize=None)
 def diffsynth_sigmas(template: str, steps: int = DIFFSYNTH_STEPS) -> torch.Tensor:
@@ -55,9 +60,11 @@ def diffsynth_sigmas(template: str, steps: int = DIFFSYNTH_STEPS) -> torch.Tenso
         return shift_sigmas(open_grid, 5.0).float()
     if template == "Z-Image":  # set_timesteps_z_image: Wan's grid with shift 3
         return shift_sigmas(open_grid, 3.0).float()
+    if template == "FLUX.2":  # set_timesteps_flux2 without a length: exponential shift, mu = 0.8, no terminal
+        return _exponential_shift(open_grid, 0.8).float()  # its linspace(1, 1/steps, steps) is the open grid
     if template == "Qwen-Image":  # exponential shift, mu = 0.8, then the last point stretched to 0.02
         mu, shift_terminal = 0.8, 0.02
-        shifted = math.exp(mu) / (math.exp(mu) + (1.0 / open_grid - 1.0))
+        shifted = _exponential_shift(open_grid, mu)
         one_minus = 1.0 - shifted
         return (1.0 - one_minus / (one_minus[-1] / (1.0 - shift_terminal))).float()
     raise ValueError(f"unknown DiffSynth schedule template {template!r}; "

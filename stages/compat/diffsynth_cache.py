@@ -20,7 +20,8 @@ def detect_family(src: str) -> str:
     """The one family whose DiffSynth inputs are all among the first cached sample's tensors."""
     first = diffsynth_files(src)[0]
     names = tensor_names(load_diffsynth_file(first), str(first))
-    matches = [f for f in known_families() if set(get_family(f).diffsynth_cache_fields) <= names]
+    matches = [f for f in known_families() if get_family(f).diffsynth_cache_fields
+               and set(get_family(f).diffsynth_cache_fields) <= names]
     if len(matches) != 1:
         raise InputError(f"{first}: cannot tell the model family from its tensors {sorted(names)} "
                          f"(matches {matches or 'none'}); pass --family ({', '.join(known_families())})")
@@ -33,6 +34,9 @@ def import_cache(src: str, dest: str, family: str | None = None, backend: str | 
         raise InputError(f"--family {family!r}: unknown; known families: {', '.join(known_families())}")
     family = family or detect_family(src)
     fields = dict(get_family(family).diffsynth_cache_fields)
+    if not fields:  # FLUX.2: DiffSynth caches packed tokens without their grid
+        raise InputError(f"--family {family}: DiffSynth-Studio's {family} caches cannot be imported; encode the "
+                         "dataset with `splitflow preprocess` instead")
     summary = import_diffsynth_cache(src, dest, backend=backend, rename=fields, only_renamed=True,
                                      fingerprint=f"diffsynth-import:{family}", family=family)
     summary["family"] = family

@@ -36,6 +36,7 @@ DEFAULT_TOKENIZERS = {
     "z_image": {"tokenizer": ("tokenizer_path", "Tongyi-MAI/Z-Image-Turbo:tokenizer/")},
     # examples/qwen_image_21/model_training/train.py: the processor (tokenizer inside) unless --processor_path
     "qwen_image21": {"processor": ("processor_path", "Qwen/Qwen-Image-2.1:processor/")},
+    "flux2": {"tokenizer": ("tokenizer_path", "black-forest-labs/FLUX.2-dev:tokenizer/")},
 }
 
 
@@ -123,7 +124,7 @@ def resolve_models(flags: dict[str, str], family: str | None) -> tuple[str, dict
         candidates = recognise({name: get_family(name).released_formats for name in known_families()}, files)
         if not candidates:
             raise ConfigError(f"model entry {entry}: {files[0] if files else 'no files'} is no component splitflow "
-                              "recognises (Qwen-Image, Qwen-Image-2.1, FLUX.1, Wan2.1 or Z-Image weights as "
+                              "recognises (Qwen-Image, Qwen-Image-2.1, FLUX.1, FLUX.2, Wan2.1 or Z-Image weights as "
                               "released)")
         found.append((entry, candidates, files))
     family = _family_of([(entry, c) for entry, c, _ in found], family)
@@ -170,13 +171,17 @@ def add_tokenizers(family: str, sources: dict[str, list[str]], flags: dict[str, 
     for component, (flag, default) in {**DEFAULT_TOKENIZERS.get(family, {}), **extra}.items():
         if component in sources:
             continue
-        if flags.get(flag):
+        if flags.get(flag) and not os.path.exists(flags[flag]) and ":" not in flags[flag]:
+            raise ConfigError(f"--{flag} {flags[flag]} is neither a folder nor <model_id>:<folder pattern>")
+        if flags.get(flag) and os.path.exists(flags[flag]):
             path = Path(flags[flag])
             if not path.is_dir():
                 raise ConfigError(f"--{flag} {path} is not a folder")
             sources[component] = [str(path.resolve())]
-        else:
-            found = resolve_entry(default, base, f"the {component} (DiffSynth's default; or give --{flag})")
+        else:  # DiffSynth's default, or the flag's <model_id>:<pattern> (parse_path_or_model_id)
+            entry, what = (flags[flag], f"--{flag}") if flags.get(flag) else (
+                default, f"the {component} (DiffSynth's default; or give --{flag})")
+            found = resolve_entry(entry, base, what)
             sources[component] = [os.path.commonpath([str(p.resolve().parent) for p in found])]
 
 

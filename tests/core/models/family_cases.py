@@ -107,14 +107,15 @@ def _qwen_edit_prompt(pipe, prompt, images):
 
 
 @functools.cache
-def edit_images():
-    """Two small reference images of different aspect (a red square on grey, a blue bar on white)."""
+def edit_images(scale: int = 1):
+    """Two small reference images of different aspect (a red square on grey, a blue bar on white); ``scale``
+    multiplies every side (the FLUX.2 pipelines refuse references under 64 pixels a side)."""
     from PIL import Image, ImageDraw
 
-    first = Image.new("RGB", (64, 48), "grey")
-    ImageDraw.Draw(first).rectangle((16, 12, 40, 36), fill="red")
-    second = Image.new("RGB", (48, 64), "white")
-    ImageDraw.Draw(second).rectangle((8, 20, 40, 30), fill="blue")
+    first = Image.new("RGB", (64 * scale, 48 * scale), "grey")
+    ImageDraw.Draw(first).rectangle(tuple(c * scale for c in (16, 12, 40, 36)), fill="red")
+    second = Image.new("RGB", (48 * scale, 64 * scale), "white")
+    ImageDraw.Draw(second).rectangle(tuple(c * scale for c in (8, 20, 40, 30)), fill="blue")
     return first, second
 
 
@@ -229,3 +230,41 @@ CASES.append(FamilyCase("qwen_image21_edit", "qwen_image21", (4, 1, 64, 96),
                         lambda pipe, prompt: _qwen21_prompt(pipe, prompt, list(qwen21_images())),
                         prompt_kwargs={"images": list(qwen21_images())},
                         reference_shapes=((4, 1, 32, 64), (3, 1, 64, 32))))
+def _flux2_inputs(pipe, kw, out):
+    """The FLUX.2 pipelines pack the target's tokens, then each reference's (ids with time 10, 20, ...): split
+    them back by their ids' time coordinate; the text ids are (0, 0, 0, l); dev's guidance is the call's."""
+    ids = kw["img_ids"][0] if kw["img_ids"].ndim == 3 else kw["img_ids"]
+    tokens, (b, _, c) = kw["hidden_states"], kw["hidden_states"].shape
+    assert torch.equal(kw["txt_ids"][0, :, 3], torch.arange(kw["encoder_hidden_states"].shape[1]))
+    assert kw["guidance"] is None if not pipe.transformer.config.guidance_embeds else \
+        torch.equal(kw["guidance"], torch.ones_like(kw["guidance"]))
+    grids, start = [], 0
+    for t in dict.fromkeys(ids[:, 0].tolist()):
+        part = ids[ids[:, 0] == t]
+        h, w = int(part[:, 1].max()) + 1, int(part[:, 2].max()) + 1
+        grids.append(tokens[:, start:start + h * w].permute(0, 2, 1).reshape(b, c, h, w)[:, :, None])
+        start += h * w
+    n = grids[0].shape[-2] * grids[0].shape[-1]
+    target = out[:, :n].permute(0, 2, 1).reshape(grids[0].shape)
+    cond = {"prompt_embeds": kw["encoder_hidden_states"], **{f"ref_latents_{i}": g for i, g in enumerate(grids[1:])}}
+    return grids[0], kw["timestep"], cond, target
+
+
+FLUX2_TOKENS = 64  # the pipelines pad every prompt to 512 tokens; 64 keeps the tiny 30-layer encoders quick
+
+
+def _flux2_prompt(pipe, prompt):
+    embeds, _ = pipe.encode_prompt(prompt, max_sequence_length=FLUX2_TOKENS)
+    return {"prompt_embeds": embeds[0]}
+
+
+# dev with two references (guidance 1: what dit_forward trains with); klein base text-to-image with CFG.
+CASES += [
+    FamilyCase("flux2_dev_edit", "flux2", (3, 1, 64, 96), dict(height=64, width=96, num_inference_steps=2,
+               guidance_scale=1.0, image=list(edit_images(2)), max_sequence_length=FLUX2_TOKENS), _flux2_inputs,
+               _flux2_prompt, variant="dev", prompt_kwargs={"max_sequence_length": FLUX2_TOKENS},
+               reference_shapes=((3, 1, 32, 64), (3, 1, 48, 32))),
+    FamilyCase("flux2_klein_base", "flux2", (3, 1, 64, 96), dict(height=64, width=96, num_inference_steps=2,
+               guidance_scale=4.0, max_sequence_length=FLUX2_TOKENS), _flux2_inputs, _flux2_prompt,
+               variant="klein-base-4b", prompt_kwargs={"max_sequence_length": FLUX2_TOKENS}),
+]

@@ -24,8 +24,19 @@ from diffsynth_core.models.wan import native_name
 from diffsynth_core.models.wan_released import umt5_to_native_t5
 
 MODEL_IDS = {"qwen_image": "Qwen/Qwen-Image", "flux": "black-forest-labs/FLUX.1-dev", "wan": "Wan-AI/Wan2.1-T2V-1.3B",
-             "z_image": "Tongyi-MAI/Z-Image-Turbo"}
+             "z_image": "Tongyi-MAI/Z-Image-Turbo", "flux2": "black-forest-labs/FLUX.2-dev"}
 Z_IMAGE_BASE_ID = "Tongyi-MAI/Z-Image"  # DiffSynth's Z-Image.sh takes only the transformer from here
+# FLUX.2's releases: the reference folder each is written from (tiny widths at the release's block counts, since
+# DiffSynth's scripts name every single block; the names tell base from distilled), whole where DiffSynth's
+# scripts take more than the transformer from them (FLUX.2-klein-base-9B.sh: klein-9B's text encoder, VAE and
+# tokenizer).
+FLUX2_REFERENCES = {"reference-dev": ("dev", (8, 48)), "reference": ("klein-base-4b", (5, 20)),
+                    "reference-9b": ("klein-base-9b", (8, 24))}
+FLUX2_RELEASES = {"black-forest-labs/FLUX.2-dev": ("reference-dev", "whole"),
+                  "black-forest-labs/FLUX.2-klein-4B": ("reference", "whole"),
+                  "black-forest-labs/FLUX.2-klein-base-4B": ("reference", "transformer"),
+                  "black-forest-labs/FLUX.2-klein-9B": ("reference-9b", "whole"),
+                  "black-forest-labs/FLUX.2-klein-base-9B": ("reference-9b", "transformer")}
 
 
 # --- inverse conversions ----------------------------------------------------------------------------
@@ -259,6 +270,30 @@ def _write_diffsynth_layout(family: str, reference: Path, root: Path) -> None:
         shutil.copytree(reference / "tokenizer", base / "google" / "umt5-xxl")
 
 
+def _write_diffsynth_flux2(reference: Path, base: Path, parts: str = "whole") -> None:
+    """A FLUX.2 release as DiffSynth downloads it: weights without config.json, the DiT and the text encoder in
+    shards, the VAE's one file, the tokenizer folder."""
+    _save_shards(_weights(reference / "transformer"), base / "transformer", "diffusion_pytorch_model", 2)
+    if parts == "transformer":
+        return
+    _save_shards(_weights(reference / "text_encoder"), base / "text_encoder", "model", 2)
+    (base / "vae").mkdir(parents=True)
+    shutil.copy(reference / "vae" / "diffusion_pytorch_model.safetensors", base / "vae")
+    shutil.copytree(reference / "tokenizer", base / "tokenizer")
+
+
+def _build_flux2_release(root: Path, seed: int) -> Path:
+    """``root/reference-dev`` (Mistral), ``root/reference`` and ``root/reference-9b`` (Qwen3) in the diffusers
+    layout, the family's tiny models (the releases' facts at tiny widths), and the releases' DiffSynth layouts."""
+    from diffsynth_core.models import get_family
+
+    for folder, (variant, layers) in FLUX2_REFERENCES.items():
+        get_family("flux2", variant).save_tiny_model(root / folder, seed, layers=layers)
+    for model_id, (folder, parts) in FLUX2_RELEASES.items():
+        _write_diffsynth_flux2(root / folder, root / "models" / model_id, parts)
+    return root
+
+
 def build_release(family: str, root: Path, seed: int = 0) -> Path:
     """Write ``root/reference`` (diffusers layout) and ``root/models/<model_id>/...`` (DiffSynth's); returns root.
     ``family`` may also name a Wan release of wan_released_layouts.py (``wan-ti2v-5b`` ...)."""
@@ -266,6 +301,8 @@ def build_release(family: str, root: Path, seed: int = 0) -> Path:
 
     if family in WAN_RELEASES:
         return build_wan_release(family, root, seed)
+    if family == "flux2":
+        return _build_flux2_release(root, seed)
     with MODEL_INIT_LOCK, torch.random.fork_rng():
         torch.manual_seed(seed)
         components = _BUILDERS[family]()

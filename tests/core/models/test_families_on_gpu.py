@@ -7,12 +7,14 @@ import torch
 
 from diffsynth_core.models import get_family
 from diffsynth_core.training.device import avoid_broken_kernels
+from diffsynth_core.training.lora import resolve_lora_targets
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("family, frames, variant", [("qwen_image", 1, None), ("flux", 1, None), ("wan", 5, None),
-                                                     ("wan", 5, "ti2v-5b"), ("qwen_image21", 1, None)])
+                                                     ("wan", 5, "ti2v-5b"), ("qwen_image21", 1, None),
+                                                     ("flux2", 1, "dev"), ("flux2", 1, "klein-base-4b")])
 def test_tiny_family_loads_encodes_and_trains_on_cuda(family, frames, variant, tmp_path):
     from diffusers.training_utils import cast_training_params
     from peft import LoraConfig
@@ -32,7 +34,7 @@ def test_tiny_family_loads_encodes_and_trains_on_cuda(family, frames, variant, t
     transformer = comps[spec.transformer_component]
     transformer.requires_grad_(False)
     transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian",
-                                       target_modules=list(spec.lora_target_modules)))
+                                       target_modules=resolve_lora_targets(transformer, spec.lora_target_modules)))
     cast_training_params(transformer, torch.float32)
     transformer.enable_gradient_checkpointing()
     noise = torch.randn_like(latents)

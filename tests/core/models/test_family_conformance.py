@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from diffsynth_core.models import get_family, known_families
+from diffsynth_core.training.lora import resolve_lora_targets
 
 from .family_cases import CASES
 
@@ -80,9 +81,8 @@ def test_spec_declares_consistent_metadata(spec, components):
     transformer = components[spec.transformer_component]
     for container in spec.block_container_names:
         assert isinstance(getattr(transformer, container), torch.nn.ModuleList)
-    names = [n for n, _ in transformer.named_modules()]
-    for target in spec.lora_target_modules:
-        assert any(n == target or n.endswith("." + target) for n in names), target
+    for target in spec.lora_target_modules:  # as the engine resolves them (exact, suffix or * pattern)
+        assert resolve_lora_targets(transformer, [target]), target
     assert spec.frame_multiple >= 1
 
 
@@ -159,6 +159,9 @@ def _denormalise(pipe, latents):
         mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1)
         std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1)
         return latents / std + mean
+    if hasattr(pipe.vae, "bn"):  # FLUX.2: batch-norm statistics over 2x2 patches
+        std = torch.sqrt(pipe.vae.bn.running_var + cfg.batch_norm_eps).view(1, -1, 1, 1)
+        return pipe._unpatchify_latents(latents[:, :, 0] * std + pipe.vae.bn.running_mean.view(1, -1, 1, 1))
     return (latents / cfg.scaling_factor + cfg.shift_factor)[:, :, 0]  # FLUX: 2-D VAE
 
 
@@ -187,7 +190,7 @@ def _train_lora(spec, transformer, latents, cond, steps=3):
     """Inject peft LoRA on the family's default targets; plain AdamW + flow-matching loss."""
     from peft import LoraConfig
 
-    config = dict(LORA_CONFIG, target_modules=list(spec.lora_target_modules))
+    config = dict(LORA_CONFIG, target_modules=resolve_lora_targets(transformer, spec.lora_target_modules))
     transformer.requires_grad_(False)
     transformer.add_adapter(LoraConfig(**config))
     transformer.enable_gradient_checkpointing()
@@ -260,11 +263,14 @@ def test_fresh_pipeline_with_the_exported_lora_reproduces_the_trained_output(spe
 
 
 def test_comfyui_file_carries_alpha_and_loads_with_identical_output(spec, tiny_dir, trained):
+    """Every module carries the scale alpha/rank of the training (FLUX.2's fused q/k/v: rank and alpha 3x)."""
     path = trained["paths"]["comfyui"]
     with safe_open(str(path), "pt") as f:
-        alphas = [f.get_tensor(k) for k in f.keys() if k.endswith(".alpha")]
-        n_down = sum(k.endswith(".lora_A.weight") for k in f.keys())
-    assert len(alphas) == n_down and all(float(a) == LORA_CONFIG["lora_alpha"] for a in alphas)
+        alphas = {k[: -len(".alpha")]: float(f.get_tensor(k)) for k in f.keys() if k.endswith(".alpha")}
+        ranks = {k.rsplit(".", 2)[0]: f.get_slice(k).get_shape()[0] for k in f.keys()
+                 if k.endswith((".lora_A.weight", ".lora_down.weight"))}
+    assert alphas.keys() == ranks.keys()
+    assert all(alphas[m] / ranks[m] == LORA_CONFIG["lora_alpha"] / LORA_CONFIG["r"] for m in ranks)
     _, reloaded = _reload_output(spec, tiny_dir, path.parent, path.name, trained["probe"])
     assert torch.equal(reloaded, trained["expected"])
 
@@ -276,7 +282,8 @@ def test_bf16_base_with_fp32_lora_trains_under_checkpointing(case, spec, tiny_di
     name = spec.transformer_component
     transformer = spec.load_components(tiny_dir, (name,), torch.bfloat16, "cpu")[name]
     transformer.requires_grad_(False)
-    transformer.add_adapter(LoraConfig(**LORA_CONFIG, target_modules=list(spec.lora_target_modules)))
+    transformer.add_adapter(LoraConfig(**LORA_CONFIG, target_modules=resolve_lora_targets(transformer,
+                                                                                       spec.lora_target_modules)))
     cast_training_params(transformer, torch.float32)
     transformer.enable_gradient_checkpointing()
     transformer.train()

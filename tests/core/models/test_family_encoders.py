@@ -17,7 +17,9 @@ from diffsynth_core.models.qwen_image import _text_weight_name
 from .family_cases import CASES
 
 PROMPTS = ["a cat", "a photo of a red dog asleep on a blue sofa", "x"]
-CASES = [c for c in CASES if c.id not in ("flux_schnell", "qwen_image21_edit")]  # same encoders as dev, as 2.1's
+# flux_schnell: the same encoders as dev; qwen_image21_edit: 2.1's; flux2_dev_edit: run here under the family's
+# base spec, the klein case's (dev's lean Mistral loader is checked against the pipeline in test_flux2.py)
+CASES = [c for c in CASES if c.id not in ("flux_schnell", "qwen_image21_edit", "flux2_dev_edit")]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: c.id)
@@ -29,6 +31,11 @@ def loaded(request, tmp_path_factory):
     return case, spec, full, spec.load_encoders(folder, torch.float32)
 
 
+def _length(case) -> dict:
+    """The case's prompt length, where it sets one (FLUX.2 pads every prompt to it: 512 is slow on a CPU)."""
+    return {k: v for k, v in case.prompt_kwargs.items() if k == "max_sequence_length"}
+
+
 def _pixels(case, n, seed=1, frames=None):
     shape = (n, *case.pixels_shape) if frames is None else (n, 3, frames, *case.pixels_shape[2:])
     return torch.rand(shape, generator=torch.Generator().manual_seed(seed)) * 2 - 1
@@ -37,7 +44,7 @@ def _pixels(case, n, seed=1, frames=None):
 def test_lean_encoders_encode_exactly_like_the_full_components(loaded):
     case, spec, full, lean = loaded
     for prompt in PROMPTS:
-        want, got = spec.encode_prompt(full, prompt, "cpu"), spec.encode_prompt(lean, prompt, "cpu")
+        want, got = (spec.encode_prompt(c, prompt, "cpu", **_length(case)) for c in (full, lean))
         assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     pixels = _pixels(case, 1)[0]
     assert torch.equal(spec.encode_pixels(full, pixels, "cpu")["latents"],
@@ -59,9 +66,9 @@ def test_lean_encoders_hold_no_decoder_vision_tower_or_lm_head(loaded):
 
 def test_batched_encoding_matches_one_at_a_time(loaded):
     case, spec, _, lean = loaded
-    batched = spec.encode_prompts(lean, PROMPTS, "cpu")
+    batched = spec.encode_prompts(lean, PROMPTS, "cpu", **_length(case))
     for prompt, got in zip(PROMPTS, batched):
-        want = spec.encode_prompt(lean, prompt, "cpu")
+        want = spec.encode_prompt(lean, prompt, "cpu", **_length(case))
         for name in want:  # Qwen pads the batch to its longest prompt: ~1e-7 apart in fp32
             assert got[name].shape == want[name].shape, name
             torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5)

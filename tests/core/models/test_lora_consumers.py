@@ -50,7 +50,7 @@ def _merged(base: dict[str, torch.Tensor], peft_sd: dict[str, torch.Tensor]) -> 
 
 
 @pytest.fixture(scope="module", params=["qwen_image", "qwen_image:edit", "qwen_image:edit-2509", "flux", "wan",
-                                        "z_image", "qwen_image21"])
+                                        "z_image", "qwen_image21", "flux2"])
 def exported(request, tmp_path_factory):
     spec = get_family(*request.param.split(":"))  # family[:variant]: the edit DiTs share Qwen-Image's names
     model, config = _lora_model(spec)
@@ -201,7 +201,9 @@ def comfy_native(family, diffusers_sd, config):
     (comfy/ldm/qwen_image/model.py), Qwen-Image-2.1 too but with ``img_mlp.gate_layer`` and ``proj`` fused
     into ``gate_up`` at load (comfy/ldm/qwen_image21/model.py), Wan uses its native names
     (comfy/ldm/wan/model.py, the inverse of diffusers' convert_wan_transformer_to_diffusers), FLUX the BFL
-    names (flux_to_diffusers)."""
+    names (flux_to_diffusers), FLUX.2 BFL's (comfy/ldm/flux/model.py with FLUX.2's parameters; the inverse of
+    diffusers' convert_flux2_transformer_checkpoint_to_diffusers, checked in test_flux2.py)."""
+    from diffsynth_core.models.flux2_released import diffusers_to_bfl
     from diffsynth_core.models.qwen_image21_released import fused
     from diffsynth_core.models.wan import native_name
     from diffsynth_core.models.z_image_released import diffusers_to_native
@@ -214,6 +216,8 @@ def comfy_native(family, diffusers_sd, config):
         return {"diffusion_model." + native_name(k): v.clone() for k, v in diffusers_sd.items()}
     if family == "z_image":  # Z-Image's original names (comfy/ldm/lumina/model.py), q/k/v fused
         return {"diffusion_model." + k: v.clone() for k, v in diffusers_to_native(diffusers_sd).items()}
+    if family == "flux2":  # FLUX.2's LoRA keys are lora_unet_<BFL name>: the generic part of the key map
+        return {"diffusion_model." + k: v.clone() for k, v in diffusers_to_bfl(diffusers_sd).items()}
     return _to_native(diffusers_sd, _flux_comfy_map(config))
 
 
@@ -387,8 +391,8 @@ def diffsynth_flux_names(diffusers_sd):
 def diffsynth_native(family, diffusers_sd):
     """The DiT's weights under DiffSynth's names.  Its Qwen-Image and Z-Image DiTs load the diffusers files
     with no converter (diffsynth/configs/model_configs.py), so the names are the diffusers ones."""
-    # z_image: diffsynth/models/z_image_dit.py has diffusers' names; qwen_image21: qwen_image_21_dit.py too
-    if family in ("qwen_image", "z_image", "qwen_image21"):
+    # diffsynth/models/z_image_dit.py, qwen_image_21_dit.py and flux2_dit.py keep diffusers' names
+    if family in ("qwen_image", "z_image", "qwen_image21", "flux2"):
         return {k: v.clone() for k, v in diffusers_sd.items()}
     convert = diffsynth_wan_names if family == "wan" else diffsynth_flux_names
     return {k: v.clone() for k, v in convert(diffusers_sd).items()}

@@ -120,6 +120,39 @@ def train(model, steps, loss_fn, mgr=None, accumulate=1, lr=1e-2, fused=None):
     return losses, grads
 
 
+def family_runs_with_and_without_engine(spec, inputs, checkpoint: bool, steps: int = 3):
+    """LoRA training of ``spec``'s tiny DiT on its default targets, without then with the offload engine
+    (evicted weights poisoned): each run's (losses, gradients), and the engine's streamed unit count.
+    ``inputs(model) -> (latents, sigmas, cond)``."""
+    from diffsynth_core.gradient import apply_gradient_checkpointing
+    from diffsynth_core.offload import OffloadTrainingManager
+    from diffsynth_core.training.lora import resolve_lora_targets
+
+    runs, streamed = [], None
+    for engine in (False, True):
+        model = spec.build_transformer("tiny", torch.float32, "cpu")
+        torch.manual_seed(0)
+        model = add_lora(model, resolve_lora_targets(model, spec.lora_target_modules))
+        if checkpoint:
+            apply_gradient_checkpointing(model, spec.block_container_names)
+        mgr = (OffloadTrainingManager(model, "cpu", block_container_names=spec.block_container_names,
+                                      poison_evicted=True) if engine else None)
+        latents, sigmas, cond = inputs(model)
+        runs.append(train(model, steps, lambda s, m: spec.dit_forward(model, latents + s, sigmas, cond).pow(2).mean(),
+                          mgr))
+        if mgr is not None:
+            streamed = mgr.report()["streamed_units"]
+            mgr.detach()
+    return runs, streamed
+
+
+def assert_equal_runs(runs, steps: int = 3) -> None:
+    """Two runs' losses and every step's gradients equal bitwise."""
+    (la, ga), (lb, gb) = runs
+    assert len(la) == steps and all(torch.equal(x, y) for x, y in zip(la, lb))
+    assert all(len(a) > 0 and all(torch.equal(x, y) for x, y in zip(a, b)) for a, b in zip(ga, gb))
+
+
 # --- a plain chain of Linears, for the optimizer-state tests (HostOptimizerState, StepInBackward) ---
 CHAIN_WIDTH, CHAIN_DEPTH = 64, 6
 
@@ -174,33 +207,3 @@ def assert_same_runs(runs) -> None:
     assert losses == other_losses
     for expected, got in zip(weights, other_weights):
         assert torch.equal(expected, got)
-
-
-def family_lora_runs(spec, inputs, checkpoint: bool, steps: int = 3) -> tuple[list, int]:
-    """LoRA training of ``spec``'s tiny DiT on ``inputs(model) -> (latents, sigmas, cond)`` without and with
-    the engine (CPU, fp32): both runs' (losses, gradients), and how many units the engine streamed."""
-    from diffsynth_core.gradient import apply_gradient_checkpointing
-    from diffsynth_core.offload import OffloadTrainingManager
-
-    runs, streamed = [], 0
-    for engine in (False, True):
-        model = spec.build_transformer("tiny", torch.float32, "cpu")
-        torch.manual_seed(0)
-        model = add_lora(model, spec.lora_target_modules)
-        if checkpoint:
-            apply_gradient_checkpointing(model, spec.block_container_names)
-        mgr = (OffloadTrainingManager(model, "cpu", block_container_names=spec.block_container_names,
-                                      poison_evicted=True) if engine else None)
-        latents, sigmas, cond = inputs(model)
-        runs.append(train(model, steps, lambda s, m: spec.dit_forward(model, latents + s, sigmas, cond).pow(2).mean(),
-                          mgr))
-        if mgr is not None:
-            streamed = mgr.report()["streamed_units"]
-            mgr.detach()
-    return runs, streamed
-
-
-def assert_bitwise_equal_runs(runs, steps: int = 3) -> None:
-    (la, ga), (lb, gb) = runs
-    assert len(la) == steps and all(torch.equal(x, y) for x, y in zip(la, lb))
-    assert all(len(a) > 0 and all(torch.equal(x, y) for x, y in zip(a, b)) for a, b in zip(ga, gb))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from diffsynth_core.models import get_family
-from offload_tiny import assert_bitwise_equal_runs, family_lora_runs
+from offload_tiny import assert_equal_runs, family_runs_with_and_without_engine
 
 SPEC = get_family("qwen_image21")
 
@@ -22,6 +22,6 @@ def _inputs(model):
 
 @pytest.mark.parametrize("checkpoint", [False, True])
 def test_qwen_image21_lora_training_with_the_engine_is_bitwise_identical(checkpoint):
-    runs, streamed = family_lora_runs(SPEC, _inputs, checkpoint)
+    runs, streamed = family_runs_with_and_without_engine(SPEC, _inputs, checkpoint)
     assert streamed == 2  # the tiny DiT's two blocks
-    assert_bitwise_equal_runs(runs)
+    assert_equal_runs(runs)

@@ -60,6 +60,8 @@ def _qwen_point(s):  # exp(mu) / (exp(mu) + 1/s - 1), mu = 0.8, then 1 - (1 - z)
     ("Qwen-Image", 1.0, _qwen_point(0.5), 0.02),
     # Z-Image (set_timesteps_z_image): Wan's open grid, shift 3: 3s/(1+2s)
     ("Z-Image", 1.0, 3 * 0.5 / (1 + 2 * 0.5), 3 * 0.001 / (1 + 2 * 0.001)),
+    # FLUX.2 (set_timesteps_flux2, no length): linspace(1, 1/1000, 1000), exponential shift mu = 0.8, no terminal
+    ("FLUX.2", 1.0, math.exp(0.8) / (math.exp(0.8) + 1), math.exp(0.8) / (math.exp(0.8) + 999)),
 ])
 def test_diffsynth_sigma_grid_matches_hand_computed_points(template, first, middle, last):
     grid = fm.diffsynth_sigmas(template)
