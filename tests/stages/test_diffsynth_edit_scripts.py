@@ -1,5 +1,5 @@
-"""DiffSynth-Studio's Qwen-Image-Edit LoRA scripts, run as `python -m flows.cli run <their flags>` on tiny
-edit models laid out as DiffSynth keeps them: the edit DiT under ``./models/Qwen/Qwen-Image-Edit*/``,
+"""DiffSynth-Studio's Qwen-Image-Edit LoRA scripts, read as `splitflow run <their flags>` reads them (in this
+process: tests/stages/diffsynth_cli.py) on tiny edit models laid out as DiffSynth keeps them: the edit DiT under ``./models/Qwen/Qwen-Image-Edit*/``,
 the text encoder, VAE and tokenizer under ``./models/Qwen/Qwen-Image/``, the processor under
 ``./models/Qwen/Qwen-Image-Edit/processor/`` (DiffSynth's train.py default for every edit model).
 
@@ -11,21 +11,16 @@ CI (the last one wins, as with DiffSynth's argparse).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
-import pytest
 from safetensors import safe_open
 
 from diffsynth_core.models import get_family
 from stages.demo_edit import write_edit_dataset
 
-pytestmark = pytest.mark.slow  # three flow runs side by side: ~95 s on 2 cores
+from .diffsynth_cli import run_script
 
-REPO = Path(__file__).resolve().parents[2]
 RELEASES = {"Qwen-Image-Edit": "edit", "Qwen-Image-Edit-2509": "edit-2509", "Qwen-Image-Edit-2511": "edit-2511"}
 METADATA = {"Qwen-Image-Edit": "metadata.csv", "Qwen-Image-Edit-2509": "metadata.json",
             "Qwen-Image-Edit-2511": "metadata.json"}
@@ -65,27 +60,16 @@ def _models(root: Path, tiny: dict[str, Path]) -> None:
         (qwen / "Qwen-Image" / part).symlink_to(tiny["edit"] / part)
 
 
-def test_diffsynth_edit_scripts_run_unchanged(tmp_path, prefect_harness):
-    from prefect.settings import PREFECT_API_URL
-
+def test_diffsynth_edit_scripts_run_unchanged(tmp_path, monkeypatch):
     tiny = {v: get_family("qwen_image", v).save_tiny_model(tmp_path / "tiny" / v, 0) for v in RELEASES.values()}
-    env = dict(os.environ, PYTHONPATH=str(REPO), PREFECT_API_URL=PREFECT_API_URL.value(), HF_HUB_OFFLINE="1")
-    env.pop("DIFFSYNTH_MODEL_BASE_PATH", None)
-    runs = {}
+    monkeypatch.delenv("DIFFSYNTH_MODEL_BASE_PATH", raising=False)
     for release in RELEASES:
         cwd = tmp_path / release
         _models(cwd, tiny)
         write_edit_dataset(cwd / f"data/diffsynth_example_dataset/qwen_image/{release}", count=2,
                            as_list=release != "Qwen-Image-Edit", name=METADATA[release])
-        command = [sys.executable, "-m", "flows.cli", "run", *_script(release), *CUTS]
-        runs[release] = (cwd, subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                                               stderr=subprocess.PIPE, text=True))
-    for release, (cwd, process) in runs.items():
-        try:
-            out, err = process.communicate(timeout=600)
-        finally:
-            process.kill()
-        assert process.returncode == 0, f"{release}: {err[-3000:]}"
+        monkeypatch.chdir(cwd)
+        run_script([*_script(release), *CUTS])
         output = cwd / f"models/train/{release}_lora"
         with safe_open(str(output / "lora.safetensors"), "pt") as handle:
             header = json.loads(handle.metadata()["lora_adapter_metadata"])

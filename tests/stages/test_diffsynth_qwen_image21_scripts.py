@@ -1,4 +1,5 @@
-"""DiffSynth-Studio's Qwen-Image-2.1 LoRA script, run as `python -m flows.cli run <its flags>` on a tiny
+"""DiffSynth-Studio's Qwen-Image-2.1 LoRA script, read as `splitflow run <its flags>` reads it (in this process:
+tests/stages/diffsynth_cli.py) on a tiny
 Qwen-Image-2.1 laid out as DiffSynth keeps it (./models/Qwen/Qwen-Image-2.1/{transformer,text_encoder,vae,
 processor}).
 
@@ -12,22 +13,17 @@ is DiffSynth's auto-detection, which at the released width takes every block Lin
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
-import pytest
 from safetensors import safe_open
 
 from diffsynth_core.models import get_family
 from stages.demo import write_demo_dataset
 from stages.demo_edit import write_edit_dataset
 
-pytestmark = pytest.mark.slow  # a flow run: ~35 s on 2 cores
+from .diffsynth_cli import run_script
 
-REPO = Path(__file__).resolve().parents[2]
 MODELS = "Qwen/Qwen-Image-2.1:transformer/diffusion_pytorch_model*.safetensors,Qwen/Qwen-Image-2.1:text_encoder/" \
          "model*.safetensors,Qwen/Qwen-Image-2.1:vae/diffusion_pytorch_model{}.safetensors"
 DATA = {"t2i": "data/diffsynth_example_dataset/qwen_image_21/Qwen-Image-2.1",
@@ -65,18 +61,14 @@ def _workdir(root: Path, tiny: Path, task: str) -> Path:
     return root
 
 
-def test_diffsynth_qwen_image21_script_runs_unchanged(tmp_path, prefect_harness):
-    """The script's text-to-image command, through both stages on Prefect."""
-    from prefect.settings import PREFECT_API_URL
-
+def test_diffsynth_qwen_image21_script_runs_unchanged(tmp_path, monkeypatch, capsys):
+    """The script's text-to-image command, through both stages."""
     tiny = get_family("qwen_image21").save_tiny_model(tmp_path / "tiny", 0)
-    env = dict(os.environ, PYTHONPATH=str(REPO), PREFECT_API_URL=PREFECT_API_URL.value(), HF_HUB_OFFLINE="1")
-    env.pop("DIFFSYNTH_MODEL_BASE_PATH", None)
+    monkeypatch.delenv("DIFFSYNTH_MODEL_BASE_PATH", raising=False)
     cwd = _workdir(tmp_path / "t2i", tiny, "t2i")
-    process = subprocess.run([sys.executable, "-m", "flows.cli", "run", *_script("t2i"), *CUTS],
-                             cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    assert process.returncode == 0, process.stderr[-3000:]
-    assert process.stderr.count("DiffSynth's auto-detection") == 1
+    monkeypatch.chdir(cwd)
+    run_script([*_script("t2i"), *CUTS])
+    assert capsys.readouterr().err.count("DiffSynth's auto-detection") == 1
     output = cwd / "models/train/Qwen-Image-2.1_lora"
     with safe_open(str(output / "lora.safetensors"), "pt") as handle:
         header = json.loads(handle.metadata()["lora_adapter_metadata"])

@@ -1,4 +1,5 @@
-"""DiffSynth-Studio's FLUX.2 LoRA scripts, run as `python -m flows.cli run <their flags>` on tiny FLUX.2 models
+"""DiffSynth-Studio's FLUX.2 LoRA scripts, read as `splitflow run <their flags>` reads them (in this process:
+tests/stages/diffsynth_cli.py) on tiny FLUX.2 models
 laid out as DiffSynth keeps them (./models/black-forest-labs/FLUX.2-dev/..., weights without config.json, DiTs
 with the releases' block counts, since the scripts name every single block's attn.to_out).
 
@@ -6,7 +7,7 @@ The flags are those of examples/flux2/model_training/lora/FLUX.2-klein-4B.sh, FL
 FLUX.2-dev.sh, unchanged; flags appended at the end cut repeats, epochs and sizes to fit CI (the last one wins,
 as with DiffSynth's argparse).  FLUX.2-dev.sh is a split run: its first command (`--task sft:data_process`)
 names only the encoders, Mistral tells the variant; its second trains from that cache.  FLUX.2-klein-4B.sh and
-FLUX.2-dev.sh run side by side on one Prefect server; FLUX.2-klein-base-9B.sh, whose run is klein-4B's code path
+FLUX.2-dev.sh run through both stages; FLUX.2-klein-base-9B.sh, whose run is klein-4B's code path
 on other files, is resolved as `splitflow run` resolves it (family, variant, sources from two releases, its 24
 single blocks' targets on the DiT) to keep the test's cost down.  The variants come from the model ids: klein-4B's
 run logs the reference's recommendation for a distilled model, dev's does not.
@@ -14,17 +15,14 @@ run logs the reference's recommendation for a distilled model, dev's does not.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import threading
+import logging
 import tomllib
-from pathlib import Path
 
-from .test_diffsynth_scripts import _lora_modules
+from tests.flows.test_diffsynth_scripts import _lora_modules
+
+from .diffsynth_cli import run_script
 from .test_diffsynth_z_image_scripts import _workdir
 
-REPO = Path(__file__).resolve().parents[2]
 BFL = "black-forest-labs"
 TARGETS = "to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out,linear_in,linear_out,to_qkv_mlp_proj"
 DEV_TARGETS = "to_q,to_k,to_v,add_q_proj,add_k_proj,add_v_proj,to_qkv_mlp_proj,to_out.0,to_add_out,linear_in,linear_out"
@@ -74,16 +72,6 @@ BLOCK_MODULES = {"attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.a
                  "ff_context.linear_out"}
 
 
-def _run_lane(commands: list[list[str]], cwd: Path, env: dict, results: list) -> None:
-    """Each command of a script in turn (a split run's second needs the first's cache)."""
-    for flags in commands:
-        process = subprocess.run([sys.executable, "-m", "flows.cli", "run", *flags, *CUTS], cwd=cwd, env=env,
-                                 capture_output=True, text=True, timeout=600)
-        results.append(process)
-        if process.returncode != 0:
-            return
-
-
 def _resolved_in_process(cwd: Path, monkeypatch) -> None:
     """FLUX.2-klein-base-9B.sh as `splitflow run` reads it, up to the checks made before training starts."""
     from stages.common import check_lora_targets, family_of
@@ -100,29 +88,17 @@ def _resolved_in_process(cwd: Path, monkeypatch) -> None:
     check_lora_targets(cfg, spec)  # single_transformer_blocks.0-23.attn.to_out are the 9B DiT's
 
 
-def test_diffsynth_flux2_scripts_run_unchanged(released_models, tmp_path, prefect_harness, monkeypatch):
-    from prefect.settings import PREFECT_API_URL
-
-    env = dict(os.environ, PYTHONPATH=str(REPO), PREFECT_API_URL=PREFECT_API_URL.value(), HF_HUB_OFFLINE="1")
-    env.pop("DIFFSYNTH_MODEL_BASE_PATH", None)
-    lanes = {}
+def test_diffsynth_flux2_scripts_run_unchanged(released_models, tmp_path, monkeypatch, caplog):
+    monkeypatch.delenv("DIFFSYNTH_MODEL_BASE_PATH", raising=False)
+    _resolved_in_process(_workdir(released_models("flux2"), tmp_path / "klein-base-9b", BASE_9B), monkeypatch)
     for variant, commands in SCRIPTS.items():
         cwd = _workdir(released_models("flux2"), tmp_path / variant, commands[0])
-        lanes[variant] = (cwd, commands, [])
-    threads = [threading.Thread(target=_run_lane, args=(commands, cwd, env, results))
-               for cwd, commands, results in lanes.values()]
-    for thread in threads:
-        thread.start()
-    try:
-        _resolved_in_process(_workdir(released_models("flux2"), tmp_path / "klein-base-9b", BASE_9B), monkeypatch)
-    finally:
-        for thread in threads:
-            thread.join()
-    for variant, (cwd, commands, results) in lanes.items():
-        assert len(results) == len(commands) and all(r.returncode == 0 for r in results), \
-            f"{variant}: {results[-1].stderr[-3000:]}"
-        said = "".join(r.stdout + r.stderr for r in results)
-        assert said.count(NOTICE) == (1 if variant == "klein-4b" else 0), variant
+        monkeypatch.chdir(cwd)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            for flags in commands:  # a split run's second command reads the first's cache
+                run_script([*flags, *CUTS])
+        assert caplog.text.count(NOTICE) == (1 if variant == "klein-4b" else 0), variant
         output = cwd / commands[-1][commands[-1].index("--output_path") + 1]
         modules, header = _lora_modules(output / "lora.safetensors")
         assert header["transformer.r"] == 32 and header["transformer.lora_alpha"] == 32  # DiffSynth: alpha = rank

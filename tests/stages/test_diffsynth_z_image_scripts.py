@@ -1,19 +1,17 @@
-"""DiffSynth-Studio's Z-Image LoRA scripts, run as `python -m flows.cli run <their flags>` on a tiny
-Z-Image laid out as DiffSynth keeps it (./models/Tongyi-MAI/Z-Image-Turbo/..., ./models/Tongyi-MAI/Z-Image/
+"""DiffSynth-Studio's Z-Image LoRA scripts, read as `splitflow run <their flags>` reads them (in this process:
+tests/stages/diffsynth_cli.py) on a tiny Z-Image laid out as DiffSynth keeps it (./models/Tongyi-MAI/Z-Image-Turbo/..., ./models/Tongyi-MAI/Z-Image/
 transformer/..., weights without config.json).
 
 The flags are those of examples/z_image/model_training/lora/Z-Image.sh and Z-Image-Turbo.sh, unchanged;
 flags appended at the end cut repeats, epochs and sizes to fit CI (the last one wins, as with DiffSynth's
-argparse).  The two runs share one Prefect server and run side by side.  The variant comes from the
+argparse).  The variant comes from the
 transformer's model id: Turbo's run logs the reference's recommendation for a distilled model, base's does not.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+import logging
 import tomllib
 from pathlib import Path
 
@@ -21,7 +19,7 @@ from safetensors import safe_open
 
 from stages.demo import write_demo_dataset
 
-REPO = Path(__file__).resolve().parents[2]
+from .diffsynth_cli import run_script
 
 
 def _script(variant: str) -> list[str]:
@@ -53,27 +51,19 @@ def _workdir(release: Path, root: Path, script: list[str]) -> Path:
     return root
 
 
-def test_diffsynth_z_image_scripts_run_unchanged(released_models, tmp_path, prefect_harness):
-    from prefect.settings import PREFECT_API_URL
-
-    env = dict(os.environ, PYTHONPATH=str(REPO), PREFECT_API_URL=PREFECT_API_URL.value(), HF_HUB_OFFLINE="1")
-    env.pop("DIFFSYNTH_MODEL_BASE_PATH", None)
-    runs = {}
+def test_diffsynth_z_image_scripts_run_unchanged(released_models, tmp_path, monkeypatch, capsys, caplog):
+    monkeypatch.delenv("DIFFSYNTH_MODEL_BASE_PATH", raising=False)
     for variant in ("base", "turbo"):
         script = _script(variant)
         cwd = _workdir(released_models("z_image"), tmp_path / variant, script)
-        command = [sys.executable, "-m", "flows.cli", "run", *script, *CUTS]
-        runs[variant] = (cwd, script, subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                                                       stderr=subprocess.PIPE, text=True))
-    for variant, (cwd, script, process) in runs.items():
-        try:
-            out, err = process.communicate(timeout=600)
-        finally:
-            process.kill()
-        assert process.returncode == 0, f"{variant}: {err[-3000:]}"
+        monkeypatch.chdir(cwd)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            run_script([*script, *CUTS])
+        err = capsys.readouterr().err
         for flag in ("remove_prefix_in_ckpt", "dataset_num_workers"):
             assert err.count(f"--{flag} has no effect here") == 1, (variant, flag)
-        assert (out + err).count(NOTICE) == (1 if variant == "turbo" else 0), variant
+        assert caplog.text.count(NOTICE) == (1 if variant == "turbo" else 0), variant
         output = cwd / script[script.index("--output_path") + 1]
         with safe_open(str(output / "lora.safetensors"), "pt") as handle:
             modules = {k.removeprefix("transformer.").rsplit(".lora_", 1)[0] for k in handle.keys()}
