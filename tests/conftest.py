@@ -12,6 +12,12 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="splitflow-prefect-"))
+# One CPU thread a test process (inherited by the processes tests start): `make test` runs two workers on two
+# cores, and tiny models' kernels spent most of their time in thread hand-offs when each asked for both cores
+# (a 48-step tiny edit run: 1.7 s with one thread, 18-35 s with two).  One thread also makes every process of a
+# run round alike (bit-for-bit resume across processes).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
 # the digest memo of the run, not the user's ~/.cache/splitflow
 os.environ.setdefault("SPLITFLOW_CACHE_DIR", tempfile.mkdtemp(prefix="splitflow-cache-"))
 
