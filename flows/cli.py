@@ -74,8 +74,13 @@ def _run_stages(args, extra, stages: tuple[str, ...], cfg: RunConfig | None = No
 def cmd_demo(args, extra) -> int:
     from stages.demo import prepare_demo
 
+    import torch
+
     workdir = Path(args.workdir)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # One CPU thread: the tiny model's kernels are too small to share cores (its training takes 1.4 s instead of
+    # 11 s on two cores), and threads started later (Prefect's task threads) take this count too.
+    torch.set_num_threads(1)
     overrides = diffsynth.flag_overrides(extra) + list(args.set)
     if args.variant:  # an edit model and (reference, instruction, target) triples
         from stages.demo_edit import prepare_edit_demo
