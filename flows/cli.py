@@ -67,7 +67,7 @@ def _run_stages(args, extra, stages: tuple[str, ...], cfg: RunConfig | None = No
     with first_run_cleanup(cfg):
         ref, overrides = _reference(args, extra, cfg)
         name = _run_name(args, cfg)
-        _print(orchestrate(cfg, ref, overrides, name, stages, pools, args.debug))
+        _print(orchestrate(cfg, ref, overrides, name, stages, pools, args.debug, args.verb))
     return 0
 
 

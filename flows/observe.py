@@ -220,14 +220,15 @@ def console(private_server: bool = False, debug: bool = False, api_url: str | No
     Prefect user looks for them; with ``--debug`` the console shows everything.
     """
     from prefect.logging.configuration import ensure_logging_setup
-    from prefect.logging.handlers import PrefectConsoleHandler
+    from prefect.logging.handlers import PrefectConsoleHandler, _SafeStreamHandler
 
     ensure_logging_setup()  # Prefect configures its handlers lazily
     if not debug:
         logging.raiseExceptions = False  # the stdlib's production setting: a record that cannot be sent is dropped
-    for logger in (logging.getLogger(), logging.getLogger("prefect")):
+    # prefect._internal has a stream handler of its own: its services' errors during an outage ("EventsWorker")
+    for logger in (logging.getLogger(), logging.getLogger("prefect"), logging.getLogger("prefect._internal")):
         for handler in logger.handlers:
-            if isinstance(handler, PrefectConsoleHandler):
+            if isinstance(handler, (PrefectConsoleHandler, _SafeStreamHandler)):
                 # One filter, this session's: an earlier verb in this process (tests, the demo) set its own.
                 for old in [f for f in handler.filters if isinstance(f, _FailureEchoFilter)]:
                     handler.removeFilter(old)

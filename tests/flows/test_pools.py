@@ -322,6 +322,49 @@ def test_an_orphaned_run_frees_its_slot_for_another_config_and_a_stopped_caller_
     assert any("b/train: completed" in m for m in logs), logs
 
 
+def test_the_plain_cli_path_on_a_server_outage_one_line_then_reruns_close_what_was_left(
+        cluster, assets, cache, tmp_path):
+    """Issue 48: `splitflow run` without pools, PREFECT_API_URL set, the server stopped mid-training. The verb whose
+    work remains exits 3 within api_grace_s in one line; the one whose work finishes exits 0, saying the server
+    could not be told. With the server back, a verb of each run name closes the runs its verb left Running (from
+    disk: Completed or Crashed), with nothing left for it to do, and no run stays open."""
+    long = _config(assets, tmp_path / "long", cache, "train.max_steps=400", "orchestration.api_grace_s=5",
+                   NO_VALIDATION)
+    short = _config(assets, tmp_path / "short", cache, "train.max_steps=4", "orchestration.api_grace_s=12",
+                    NO_VALIDATION)
+    run_long, run_short = cluster.splitflow("run", str(long)), cluster.splitflow("run", str(short))
+    _wait_for(lambda: _rows(tmp_path / "short" / "output" / "metrics.csv") >= 1, "short's training",
+              process=run_short)
+    run_short.send_signal(signal.SIGSTOP)  # its last steps are taken once the server is gone
+    _wait_for(lambda: _rows(tmp_path / "long" / "output" / "metrics.csv") >= 1, "long's training", process=run_long)
+    cluster.stop_server()
+    stopped = time.monotonic()
+    run_short.send_signal(signal.SIGCONT)
+    code, out, err = _finish(run_long, timeout=60)
+    assert code == 3 and time.monotonic() - stopped < 5 + 4, err[-3000:]  # the grace, a health check, the exit
+    assert len(_lines(err, "splitflow run: error: Prefect API")) == 1 and "Work on disk is kept" in err
+    for noise in ("Traceback", "EventsWorker", "Finished in state Running", "Another attempt"):  # minutes of it
+        assert noise not in err, err[-3000:]
+    code, out, err = _finish(run_short, timeout=60)
+    assert code == 0 and time.monotonic() - stopped < 12 + 4, err[-3000:]
+    note = _lines(err, "splitflow run: note: the work is done")
+    assert len(note) == 1 and "could not be told" in note[0] and "Traceback" not in err, err[-3000:]
+    assert json.loads(out[out.index("{"):])["train"]["steps"] == 4
+    cluster.start_server()
+
+    reruns = [(cluster.splitflow(verb, str(config)), closed)  # both at once
+              for config, verb, closed in ((short, "run", "Completed"), (long, "preprocess", "Crashed"))]
+    for rerun, closed in reruns:
+        code, out, err = _finish(rerun)
+        assert code == 0, err[-3000:]
+        result = json.loads(out[out.index("{"):])  # nothing left for this verb: answered from disk, runs closed
+        assert "nothing left to do" in result["note"] and closed in result["reconciled"], result
+    for name in ("long", "short"):
+        runs = _runs(cluster, name)
+        assert runs and all(run.state.is_final() for run in runs), [(r.name, r.state.type) for r in runs]
+        assert not [m for m in _logs(cluster, runs) if "\x1b" in m or "\r" in m]  # no terminal codes in run logs
+
+
 def test_status_with_a_server_frees_a_slot_a_silent_run_holds(cluster, assets, tmp_path):
     """`splitflow status` of any config, PREFECT_API_URL set: a stage run holding a pool slot with no heartbeat for
     its own stale_after_s is marked lost in one line (as a coordinator does every poll)."""
