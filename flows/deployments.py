@@ -112,5 +112,6 @@ def deploy(cfg: RunConfig, config: str | None, overrides: list[str], name: str, 
                                           description=f"splitflow run {name}: {config}", print_next_steps=False,
                                           ignore_warnings=True)
         deployed[f"{stage_flow.name}/{name}"] = str(deployment_id)
+    trigger = f"prefect deployment run {coordinate_flow.name}/{name} --flow-run-name {name}" if control_pool else None
     return {"name": name, "config": config, "deployments": deployed, "pools_created": created,
-            "pools": {**pools, "control": control_pool}}
+            "pools": {**pools, "control": control_pool}, "trigger": trigger}

@@ -24,7 +24,7 @@ import time
 
 from diffsynth_core.errors import EXIT_ENVIRONMENT, EXIT_OK
 from stages.config import RunConfig
-from stages.status import WorkLeft, disk_state, summary_from_disk, work_left
+from stages.status import WorkLeft, disk_state, stage_done, summary_from_disk, work_left
 
 from .server import api_healthy
 
@@ -93,18 +93,15 @@ class OutageWatch:
         os._exit(code)
 
 
-def _stage_of(name: str, run_name: str) -> str:
-    """``myrun`` -> run, ``myrun/train`` (flow or task) -> train, anything else of it -> preprocess."""
-    if run_name == name:
-        return "run"
-    return "train" if run_name.startswith(f"{name}/train") else "preprocess"
+def _stage_of(name: str, run) -> str:
+    """The stage whose work a run of ``name`` stands for: ``myrun/train`` (its flow or task runs) train; the
+    parent ``myrun`` train, unless its verb ran preprocess alone; the rest of it preprocess."""
+    if run.name == name:
+        return "train" if "train" in (getattr(run, "parameters", None) or {}).get("stages", ["train"]) else "preprocess"
+    return "train" if run.name.startswith(f"{name}/train") else "preprocess"
 
 
-def _done(stage: str, left: WorkLeft) -> bool:
-    return not left.preprocess and (stage == "preprocess" or not left.train)
-
-
-def close_left_open(api, name: str, left: WorkLeft) -> str | None:
+def close_left_open(api, cfg: RunConfig, name: str, left: WorkLeft) -> str | None:
     """Mark the CLI-path runs of ``name`` whose process has ended; one line saying so, or None."""
     from .observe import process_gone
 
@@ -113,7 +110,7 @@ def close_left_open(api, name: str, left: WorkLeft) -> str | None:
     task_runs = [(run, api.set_task_state) for run in api.unfinished_task_runs(tags) if process_gone(run.tags)]
     verdicts = []
     for run, set_state in flow_runs + task_runs:
-        done = _done(_stage_of(name, run.name), left)
+        done = stage_done(cfg, _stage_of(name, run), left=left)
         set_state(run.id, "completed" if done else "crashed",
                   "work found complete on disk (its verb had ended)" if done else
                   "its verb ended without telling (killed, or it lost the Prefect server); the work resumes from disk")
@@ -124,7 +121,7 @@ def close_left_open(api, name: str, left: WorkLeft) -> str | None:
     return f"{name}: closed {len(verdicts)} run(s) an ended verb left open ({counts}, as the disk says)"
 
 
-def close_left_open_now(name: str, left: WorkLeft, url: str) -> str | None:
+def close_left_open_now(cfg: RunConfig, name: str, left: WorkLeft, url: str) -> str | None:
     """:func:`close_left_open` against ``url`` with one try per request: an unreachable API is said, not waited for."""
     from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
@@ -135,7 +132,7 @@ def close_left_open_now(name: str, left: WorkLeft, url: str) -> str | None:
     api = PrefectApi()
     try:
         with temporary_settings(updates={PREFECT_API_URL: url, PREFECT_CLIENT_MAX_RETRIES: 1}):
-            return close_left_open(api, name, left)
+            return close_left_open(api, cfg, name, left)
     except Exception as err:
         if not is_outage(err):
             raise

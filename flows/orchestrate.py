@@ -50,7 +50,7 @@ def orchestrate(cfg: RunConfig, ref: str | None, overrides: list[str], name: str
         summary = idle_summary(cfg, stages, view)
         if url:  # the server may hold runs of this name that a killed or cut-off verb left Running
             prefect_environment(cfg.output_dir)
-            return _with_closed(summary, close_left_open_now(name, left, url))
+            return _with_closed(summary, close_left_open_now(cfg, name, left, url))
         return summary
     if left.train:
         check_lora_targets_first(cfg, stages, local=True)
@@ -60,7 +60,7 @@ def orchestrate(cfg: RunConfig, ref: str | None, overrides: list[str], name: str
         from .observe import process_tag, run_tags
         from .split_training import split_training
 
-        closed = close_left_open_now(name, left, session.url)
+        closed = close_left_open_now(cfg, name, left, session.url)
         watch = OutageWatch(cfg, stages, session.url, verb, on_exit=session.close)
         with tags(*run_tags(cfg, name, "local"), process_tag()), _outage_as_one_line(cfg, session.url), watch:
             return _with_closed(split_training(ref, overrides, name, stages), closed)
