@@ -9,7 +9,8 @@
 * ``pooled_run_default_s`` / ``pooled_run_tuned_s``: ``splitflow run --preprocess-pool cheap --train-pool big``
   from trigger to summary against a real ``prefect server start`` with one process worker per pool (limit 1):
   workers at Prefect's default polling (``PREFECT_WORKER_QUERY_SECONDS`` 10 s, coordinator ``poll_s`` 2 s),
-  then tuned (1 s and ``orchestration.poll_s=1``), each from nothing (fresh cache and output).
+  then tuned (1 s and ``orchestration.poll_s=1``), each from nothing (fresh cache and output);
+  ``pooled_stage_runs_*``: each stage run's wait from submission to Running, and its run time.
 
 Usage: ``python bench/orchestration.py [--workdir DIR] [--repeats 3] [--no-pools]`` from the repo root.
 """
@@ -71,6 +72,18 @@ def _cli(*args: str) -> list:
     return [sys.executable, "-m", "flows.cli", *args]
 
 
+def _stage_runs(cluster, name: str) -> dict:
+    """Each stage run's seconds from submission to Running (a slot, the worker's poll, a process starting, the
+    flow loading) and Running to done, from the server's records."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+
+    with cluster.client() as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"run:{name}"])))
+    return {run.name: {"submitted_to_running_s": round((run.start_time - run.created).total_seconds(), 1),
+                       "running_s": round((run.end_time - run.start_time).total_seconds(), 1)}
+            for run in sorted(runs, key=lambda run: run.created) if run.name != name and run.start_time}
+
+
 def _pooled(assets: Path, root: Path, env: dict) -> dict:
     """The pooled demo twice on one server: workers at Prefect's default polling, then tuned."""
     from tests.flows.pool_cluster import Cluster
@@ -92,8 +105,10 @@ def _pooled(assets: Path, root: Path, env: dict) -> dict:
                 cluster.start_worker(pool)
             config = _config(assets, root / f"pooled-{label}")
             pool_env = {**env, **{k: v for k, v in cluster.env.items() if k.startswith("PREFECT")}}
-            result[f"pooled_run_{label}_s"] = _timed(
-                _cli("run", str(config), "--preprocess-pool", "cheap", "--train-pool", "big", *overrides), pool_env)
+            pooled = _cli("run", str(config), "--name", f"pooled-{label}", "--preprocess-pool", "cheap",
+                          "--train-pool", "big", *overrides)
+            result[f"pooled_run_{label}_s"] = _timed(pooled, pool_env)
+            result[f"pooled_stage_runs_{label}"] = _stage_runs(cluster, f"pooled-{label}")
             cluster.stop_workers()
     finally:
         cluster.close()
