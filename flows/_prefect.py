@@ -27,8 +27,7 @@ from .server import api_healthy
 
 FINAL = {StateType.COMPLETED, StateType.FAILED, StateType.CRASHED, StateType.CANCELLED}
 SLOT_HOLDING = [StateType.PENDING, StateType.RUNNING]  # what a work pool's concurrency limit counts
-_NEW_STATE = {"completed": Completed, "crashed": Crashed, "cancelled": Cancelled, "failed": Failed,
-              "running": Running}
+_NEW_STATE = {"completed": Completed, "crashed": Crashed, "cancelled": Cancelled, "failed": Failed}
 
 
 def is_outage(err: BaseException) -> bool:
