@@ -24,7 +24,7 @@ THUMBNAIL = 256
 
 
 def part_table(name: str, summary: CacheSummary) -> None:
-    """Encoded / reused / skipped (with the row, file and reason of each skipped row)."""
+    """Encoded / reused / skipped (with the row, file and reason of each skipped row) / prompts truncated."""
     from prefect.artifacts import create_table_artifact
 
     scope = "all" if summary.part is None else f"part-{summary.part + 1}-of-{summary.parts}"
@@ -32,6 +32,8 @@ def part_table(name: str, summary: CacheSummary) -> None:
             {"outcome": "reused", "rows": summary.reused, "row": "", "file": "", "reason": ""}]
     rows += [{"outcome": "skipped", "rows": 1, "row": item.get("row"), "file": str(item.get("file") or ""),
               "reason": str(item.get("reason") or "")} for item in summary.skipped]
+    if summary.truncated:  # prompts encoded now that the text encoder cut (a coordinator sums them too)
+        rows.append({"outcome": "truncated", "rows": summary.truncated, "row": "", "file": "", "reason": ""})
     create_table_artifact(rows, key=artifact_key(name, "preprocess", scope),
                           description=f"{name}: {summary.describe()}")
 

@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from diffsynth_core.errors import EXIT_BUG, EXIT_INPUT, InputError, Interrupted, classify
@@ -66,7 +67,7 @@ def _run_stages(args, extra, stages: tuple[str, ...], cfg: RunConfig | None = No
     with first_run_cleanup(cfg):
         ref, overrides = _reference(args, extra, cfg)
         name = _run_name(args, cfg)
-        _print(orchestrate(cfg, ref, overrides, name, stages, pools, args.debug))
+        _print(orchestrate(cfg, ref, overrides, name, stages, pools, args.debug, args.verb))
     return 0
 
 
@@ -132,6 +133,7 @@ def cmd_train(args, extra) -> int:
 
 
 def cmd_status(args, extra) -> int:
+    from flows.server import configured_api_url
     from stages.status import read_cache, run_status, work_left
 
     from stages.precheck import input_problem, input_rows, length_note
@@ -148,8 +150,22 @@ def cmd_status(args, extra) -> int:
     rows = None if problem else input_rows(cfg)
     if note := length_note(cfg, rows):
         status["length"] = note
+    if url := configured_api_url():  # a server: stage runs nobody watches any more give their pool slots back
+        status["prefect"] = _free_lost_slots(cfg, url)
     _print(status)
     return 0
+
+
+def _free_lost_slots(cfg: RunConfig, url: str) -> dict:
+    from flows.coordinator import free_lost_slots_now
+    from flows.orchestrate import prefect_environment
+
+    # Prefect's home: the output's when it exists (a status creates no output folder)
+    prefect_environment(cfg.output_dir if cfg.output_dir.is_dir() else Path(tempfile.gettempdir()) / "splitflow")
+    prefect = free_lost_slots_now(cfg.orchestration.stale_after_s, url)
+    for line in prefect.get("freed", []):
+        print(f"splitflow status: {line}", file=sys.stderr)
+    return prefect
 
 
 def cmd_resume(args, extra) -> int:

@@ -26,11 +26,13 @@ from stages import preprocess as preprocess_stage
 from stages import train as train_stage
 from stages.config import RunConfig
 
-from . import _prefect as api
-from .artifacts import part_table, train_report
-from .heartbeat import part_heartbeat, train_heartbeat
-from .observe import failure_state, forwarded_logs
-from .runconfig import load_run_config
+# Absolute imports: a worker loads this file by its path, as a module named ``deployments``, and relative
+# imports made a second copy of flows/ named ``deployments.*``, whose loggers no run forwarded.
+from flows import _prefect as api
+from flows.artifacts import part_table, train_report
+from flows.heartbeat import part_heartbeat, train_heartbeat
+from flows.observe import failure_state, forwarded_logs
+from flows.runconfig import load_run_config
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 ENTRYPOINT = "flows/deployments.py"
@@ -71,7 +73,7 @@ def coordinate_flow(config: str | None = None, overrides: list[str] | None = Non
     from prefect.context import FlowRunContext
     from prefect.settings import PREFECT_API_URL
 
-    from .coordinator import Coordinator
+    from flows.coordinator import Coordinator
 
     try:
         cfg = load_run_config(config, overrides)
@@ -91,7 +93,7 @@ def deploy(cfg: RunConfig, config: str | None, overrides: list[str], name: str, 
     ``cfg`` is the config ``config`` and ``overrides`` load (the caller's, not loaded again).
     Pools that do not exist are created (type process); the caller sets their limits.
     """
-    from .observe import base_tags
+    from flows.observe import base_tags
 
     parameters = {"config": config, "overrides": list(overrides), "name": name}
     plan = [(flow_of, pools[stage], {**parameters, "part": 0} if stage == "preprocess" else parameters)
@@ -110,5 +112,6 @@ def deploy(cfg: RunConfig, config: str | None, overrides: list[str], name: str, 
                                           description=f"splitflow run {name}: {config}", print_next_steps=False,
                                           ignore_warnings=True)
         deployed[f"{stage_flow.name}/{name}"] = str(deployment_id)
+    trigger = f"prefect deployment run {coordinate_flow.name}/{name} --flow-run-name {name}" if control_pool else None
     return {"name": name, "config": config, "deployments": deployed, "pools_created": created,
-            "pools": {**pools, "control": control_pool}}
+            "pools": {**pools, "control": control_pool}, "trigger": trigger}

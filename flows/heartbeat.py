@@ -90,10 +90,11 @@ def train_heartbeat(cfg: RunConfig, name: str) -> Heartbeat:
     """Progress of training from ``metrics.csv``; each new step also goes to the run's logs."""
     from prefect import get_run_logger
 
-    from stages.status import train_progress, work_left
+    from stages.status import work_left
 
     logger, label = get_run_logger(), stage_label(name, "train")
     seen = {"step": 0, "total": None}
+    resumed = _ResumedSteps(cfg)
 
     def progress() -> float:
         if seen["total"] is None:  # once, in the beat's thread; max_steps spares reading the cache
@@ -102,7 +103,7 @@ def train_heartbeat(cfg: RunConfig, name: str) -> Heartbeat:
             except Exception as err:  # noqa: BLE001 -- the stage reports it; the beat goes on
                 logging.getLogger(__name__).debug("heartbeat: total steps unknown: %s", err)
         total = seen["total"] or 0  # unknown this beat: asked again at the next one
-        step, loss = train_progress(cfg)
+        step, loss = resumed.progress()
         if step != seen["step"]:
             seen["step"] = step
             of_total = f" of {total}" if total else ""
@@ -111,3 +112,32 @@ def train_heartbeat(cfg: RunConfig, name: str) -> Heartbeat:
 
     return Heartbeat(artifact_key(name, "train-progress"), f"{label}: steps done", progress,
                      cfg.orchestration.heartbeat_s)
+
+
+class _ResumedSteps:
+    """``(step, loss)`` of this attempt from ``metrics.csv``.
+
+    A killed attempt's rows past its last checkpoint stay in the file until the resumed attempt
+    reaches them (it trains them again): until this attempt writes the file, they are not its step.
+    """
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg, self.path = cfg, cfg.output_dir / "metrics.csv"
+        self.stamp = self._stamp()
+
+    def _stamp(self):
+        try:
+            stat = self.path.stat()
+        except OSError:
+            return None
+        return stat.st_mtime_ns, stat.st_size
+
+    def progress(self) -> tuple[int, float | None]:
+        from diffsynth_core.training.checkpoint import CheckpointManager
+        from stages.status import metric_rows, train_progress
+
+        if self.stamp is None or self._stamp() != self.stamp:  # a fresh run, or this attempt has written
+            return train_progress(self.cfg)
+        resume = CheckpointManager(self.cfg.output_dir / "checkpoints").latest_step()
+        kept = [row for row in metric_rows(self.cfg) if int(row["step"]) <= resume]
+        return (int(kept[-1]["step"]), float(kept[-1]["loss"])) if kept else (0, None)

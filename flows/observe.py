@@ -14,7 +14,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
+import socket
 import sys
 from contextlib import contextmanager
 
@@ -48,6 +50,29 @@ def run_tags(cfg: RunConfig, name: str, stage: str, part: int | None = None) -> 
     return tags + ([f"part:{part}"] if part is not None else [])
 
 
+def tag_values(tags) -> dict[str, str]:
+    """``["stage:train", "part:1"]`` -> ``{"stage": "train", "part": "1"}`` (plain tags left out)."""
+    return dict(tag.split(":", 1) for tag in tags if ":" in tag)
+
+
+def process_tag() -> str:
+    """``process:<host>:<pid>:<start ticks>``: the process that holds a run open without a worker (the CLI)."""
+    from .server import _start_ticks
+
+    return f"process:{socket.gethostname()}:{os.getpid()}:{_start_ticks(os.getpid())}"
+
+
+def process_gone(tags) -> bool:
+    """Whether a run's process tag names a process of this host that has ended (another host's: unknown, False)."""
+    from .server import _alive
+
+    host, _, rest = tag_values(tags).get("process", "").partition(":")
+    pid, _, ticks = rest.partition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    return not _alive(int(pid), int(ticks) if ticks.isdigit() else None)
+
+
 def artifact_key(name: str, *suffix: object) -> str:
     """Artifact keys hold lowercase letters, digits and dashes only (Prefect's rule)."""
     text = "-".join([name, *map(str, suffix)]).lower()
@@ -74,15 +99,30 @@ class _RunIdFilter(logging.Filter):
         return True
 
 
+_ESCAPES = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Za-z0-9]|\r")
+
+
+class _PlainText(logging.Filter):
+    """A run's logs are read in a browser: no terminal escape codes (progress bars, colours) in them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if _ESCAPES.search(message):
+            record.msg, record.args = _ESCAPES.sub("", message), ()
+        return True
+
+
 @contextmanager
-def forwarded_logs():
-    """Send the project's INFO+ log lines to the current flow run's logs while inside."""
+def forwarded_logs(flow_run_id=None):
+    """Send the project's INFO+ log lines to a flow run's logs while inside: the current run's, or
+    ``flow_run_id``'s (a run this process keeps itself, the CLI's coordinator run)."""
     from prefect.context import FlowRunContext
     from prefect.logging.handlers import APILogHandler
 
     context = FlowRunContext.get()
     handler = APILogHandler(level=logging.INFO)
-    handler.addFilter(_RunIdFilter(context.flow_run.id if context and context.flow_run else None))
+    handler.addFilter(_RunIdFilter(flow_run_id or (context.flow_run.id if context and context.flow_run else None)))
+    handler.addFilter(_PlainText())
     loggers = [logging.getLogger(name) for name in PROJECT_LOGGERS]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
@@ -180,14 +220,15 @@ def console(private_server: bool = False, debug: bool = False, api_url: str | No
     Prefect user looks for them; with ``--debug`` the console shows everything.
     """
     from prefect.logging.configuration import ensure_logging_setup
-    from prefect.logging.handlers import PrefectConsoleHandler
+    from prefect.logging.handlers import PrefectConsoleHandler, _SafeStreamHandler
 
     ensure_logging_setup()  # Prefect configures its handlers lazily
     if not debug:
         logging.raiseExceptions = False  # the stdlib's production setting: a record that cannot be sent is dropped
-    for logger in (logging.getLogger(), logging.getLogger("prefect")):
+    # prefect._internal has a stream handler of its own: its services' errors during an outage ("EventsWorker")
+    for logger in (logging.getLogger(), logging.getLogger("prefect"), logging.getLogger("prefect._internal")):
         for handler in logger.handlers:
-            if isinstance(handler, PrefectConsoleHandler):
+            if isinstance(handler, (PrefectConsoleHandler, _SafeStreamHandler)):
                 # One filter, this session's: an earlier verb in this process (tests, the demo) set its own.
                 for old in [f for f in handler.filters if isinstance(f, _FailureEchoFilter)]:
                     handler.removeFilter(old)

@@ -17,16 +17,19 @@ from diffsynth_core.errors import EnvironmentFailure
 from stages.config import ConfigError, RunConfig
 from stages.status import CacheView, check_resume_on_disk, disk_state, read_cache, summary_from_disk, work_left
 
+from .local_runs import OutageWatch, close_left_open_now
 from .runconfig import check_overrides
 from .server import ApiSession, configured_api_url
 
 
 def orchestrate(cfg: RunConfig, ref: str | None, overrides: list[str], name: str, stages: tuple[str, ...],
-                pools: dict[str, str | None], debug: bool = False) -> dict:
+                pools: dict[str, str | None], debug: bool = False, verb: str = "run") -> dict:
     """Run ``stages`` for ``cfg``: in this process, or on work pools when pools are given.
 
     What is left is decided from disk first; with nothing left (and no pools) the answer comes
-    without Prefect.  Otherwise Prefect talks to ``PREFECT_API_URL`` or a private server.
+    without Prefect, unless ``PREFECT_API_URL`` names a server: runs an ended verb left open
+    there are closed first (flows/local_runs.py).  Otherwise Prefect talks to that server or a
+    private one.
     """
     pooled = [stage for stage in stages if pools.get(stage)]
     if pooled and len(pooled) != len(stages):
@@ -44,17 +47,27 @@ def orchestrate(cfg: RunConfig, ref: str | None, overrides: list[str], name: str
         check_resume_on_disk(cfg, view)
     left = work_left(cfg, view)
     if not (left.preprocess or ("train" in stages and left.train)):
-        return idle_summary(cfg, stages, view)
+        summary = idle_summary(cfg, stages, view)
+        if url:  # the server may hold runs of this name that a killed or cut-off verb left Running
+            prefect_environment(cfg.output_dir)
+            return _with_closed(summary, close_left_open_now(cfg, name, left, url))
+        return summary
     if left.train:
         check_lora_targets_first(cfg, stages, local=True)
     with prefect_session(cfg, url, False, debug) as session:
         from prefect import tags
 
-        from .observe import run_tags
+        from .observe import process_tag, run_tags
         from .split_training import split_training
 
-        with tags(*run_tags(cfg, name, "local")), _outage_as_one_line(cfg, session.url):
-            return split_training(ref, overrides, name, stages)
+        closed = close_left_open_now(cfg, name, left, session.url)
+        watch = OutageWatch(cfg, stages, session.url, verb, on_exit=session.close)
+        with tags(*run_tags(cfg, name, "local"), process_tag()), _outage_as_one_line(cfg, session.url), watch:
+            return _with_closed(split_training(ref, overrides, name, stages), closed)
+
+
+def _with_closed(summary: dict, closed: str | None) -> dict:
+    return {**summary, "reconciled": closed} if closed else summary
 
 
 def check_lora_targets_first(cfg: RunConfig, stages: tuple[str, ...], local: bool) -> None:

@@ -129,6 +129,10 @@ class Cluster:
         for process in self.others:
             if process.poll() is None:
                 _kill([process.pid, *descendants(process.pid)], signal.SIGKILL)
+        self.stop_workers()
+        self.stop_server()
+
+    def stop_workers(self) -> None:
         for worker in self.workers.values():
             tree = [worker.pid, *descendants(worker.pid)]
             _kill([worker.pid], signal.SIGINT)
@@ -139,4 +143,3 @@ class Cluster:
             _kill(tree, signal.SIGKILL)
             worker.wait()
         self.workers.clear()
-        self.stop_server()
