@@ -97,6 +97,20 @@ def _build(spec, args, device: torch.device) -> torch.nn.Module:
     return spec.build_transformer(args.variant, getattr(torch, args.dtype), str(device))
 
 
+def _record_routing(model) -> list[str] | None:
+    """For several experts, a list that gets the experts each optimizer step trained, in step order."""
+    if not isinstance(model, ExpertModels):
+        return None
+    routed, take_ran = [], model.take_ran
+
+    def recorded() -> set[str]:
+        ran = take_ran()
+        routed.append("+".join(sorted(ran)))
+        return ran
+    model.take_ran = recorded
+    return routed
+
+
 def _bench_size(trainer: Trainer, prepared, mode: str, size: str, args, device: torch.device) -> list[dict]:
     """Every batch size at one image size.  The largest batch first runs ``--warmup`` untimed steps, so
     first-use costs of the new shapes (allocator growth, kernel choice) land on no timed batch size."""
@@ -132,6 +146,7 @@ def bench_mode(spec, args, mode: str, device: torch.device, over_budget, record)
     largest = max((_samples(spec, model, args, size, count=1)[0]["latents"].shape for size in args.sizes),
                   key=lambda shape: shape.numel())
     prepared = prepare_for_training(model, spec, train, options, device, tuple(largest))
+    routed = _record_routing(model)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the device copies the offload engine freed
     print(json.dumps({"mode": mode, "setup_s": round(time.perf_counter() - started, 1)}), file=sys.stderr, flush=True)
@@ -144,6 +159,8 @@ def bench_mode(spec, args, mode: str, device: torch.device, over_budget, record)
             samples = _samples(spec, model, args, size, count=2 * max(args.batch_size))
             trainer = Trainer(spec, model, samples, train, options, out, device=device, progress=False)
             runs += _bench_size(trainer, prepared, mode, size, args, device)
+            if routed is not None:  # which expert each step (warm-up ones first) trained: the peak's and time's mix
+                runs[-1]["experts_per_step"], routed[:] = list(routed), []
             # The process's host peak so far (run offload first to read its own) against the DiT's bytes.
             host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
             runs[-1].update(host_peak_gb=round(host / 1e9, 2), dit_gb=round(dit_bytes / 1e9, 2),

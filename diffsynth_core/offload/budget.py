@@ -94,6 +94,24 @@ def simulate_loads(uses: list[int], streamed: list[int], n_slots: int, keep_acro
     return counts
 
 
+def unstepped_state_bytes(optimizer: torch.optim.Optimizer, device: torch.device) -> int:
+    """Optimizer state still to come on ``device``: the weights the optimizer has not stepped yet (the
+    LoRA of an expert no step has routed to so far) at the state bytes per weight byte of those it
+    has.  The first step's peak holds only the state of what that step trained."""
+    stepped = unstepped = state = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.device != device:
+                continue
+            held = [t for t in optimizer.state.get(p, {}).values() if torch.is_tensor(t) and t.device == device]
+            if held:
+                stepped += p.nbytes
+                state += sum(t.nbytes for t in held)
+            elif p.requires_grad:
+                unstepped += p.nbytes
+    return unstepped * state // stepped if stepped else 0
+
+
 def forward_order(uses: list[int]) -> list[int]:
     """Distinct units in order of first use."""
     return list(dict.fromkeys(uses))
@@ -235,8 +253,9 @@ class BudgetTracker:
         if self.first_step_peak is None and self.first_peak is not None:
             self.first_step_peak = self.memory.peak()
 
-    def room(self) -> int:
-        """Device bytes left for resident units; raises when the step alone does not fit."""
+    def room(self, state_to_come: int = 0) -> int:
+        """Device bytes left for resident units; raises when the step alone does not fit.
+        ``state_to_come``: optimizer state the first step did not create (``unstepped_state_bytes``)."""
         if self.first_peak is None:  # no statistics: only what the engine placed is known
             overhead = self.fixed
             what = "the slots and the weights outside the streamed blocks"
@@ -244,8 +263,9 @@ class BudgetTracker:
             # peak of the first optimizer step if higher: state that waits on the host between steps
             # (HostOptimizerState) is back on the device, beside every gradient, while it steps
             overhead = max(self.first_peak + max(0, self.memory.allocated() - self.start_allocated),
-                           self.first_step_peak or 0)
-            what = "one training step with every block streamed"
+                           self.first_step_peak or 0) + state_to_come
+            what = "one training step with every block streamed" + \
+                (" and the optimizer state of the weights it did not train" if state_to_come else "")
         room = self.budget - overhead - self.margin
         if room < 0:
             raise self.too_small(overhead, what)

@@ -14,7 +14,8 @@ from torch.utils._pytree import tree_flatten
 from ..errors import InputError
 from .arena import HostArena, release_all
 from .shared_arena import SharedHostArena, shared_host_arena
-from .budget import GIB, BudgetTracker, auto_budget, forward_order, plan_residency, static_residency
+from .budget import (GIB, BudgetTracker, auto_budget, forward_order, plan_residency, static_residency,
+                     unstepped_state_bytes)
 from .grads import GradAverager, HostGradSink, blocking_event
 from .device_steps import DeviceSteps
 from .host_optimizer import HostStepper
@@ -146,6 +147,7 @@ class OffloadTrainingManager:
         self.stepper: HostStepper | None = None
         self.device_steps: DeviceSteps | None = None
         self._optimizer_hooks: list = []
+        self._watched: list[torch.optim.Optimizer] = []  # watch_optimizer's, for the budget's plan
         self._order_hook = (optim_hooks.register_optimizer_step_pre_hook(self._check_step_order)
                             if self.grad_sink else None)
         self.averager = self._make_averager(data_parallel)
@@ -295,7 +297,7 @@ class OffloadTrainingManager:
 
     def _plan_budget(self) -> None:
         """Second step starts: fill what the budget leaves with the units that save most bytes."""
-        room = self.budget.room()
+        room = self.budget.room(sum(unstepped_state_bytes(o, self.device) for o in self._watched))
         plan = plan_residency(self.plan.units, self._uses, len(self.streamer.slots), room, self.streamer.slot_bytes)
         self.streamer.evict_all()
         self.streamer.add_slots(plan.extra_slots)
@@ -382,6 +384,7 @@ class OffloadTrainingManager:
         """Under ``vram_budget_gb``, plan room for the first ``optimizer.step()``'s peak as well (it
         matters when the optimizer's state waits on the host between steps and comes back to step)."""
         if self.budget is not None:
+            self._watched.append(optimizer)  # and the state of weights its first step did not train
             self._optimizer_hooks.append(optimizer.register_step_post_hook(
                 lambda opt, args, kwargs: self.budget.optimizer_stepped()))
 

@@ -218,3 +218,26 @@ def test_a_budget_over_blocks_stepped_on_the_host_buys_slots_that_hold_them_acro
     (la, ga), (lb, gb) = runs
     assert all(torch.equal(a, b) for a, b in zip(la, lb))
     assert all(torch.equal(a, b) for sa, sb in zip(ga, gb) for a, b in zip(sa, sb))
+
+
+def test_the_plan_leaves_room_for_the_state_of_weights_the_first_step_did_not_train():
+    """Two experts' LoRA, one optimizer: the first step routes to one expert, so its peak holds that
+    expert's AdamW state only; the other's comes with its first step and stays (Wan2.2 A14B)."""
+    from diffsynth_core.offload.budget import GIB, BudgetTracker, unstepped_state_bytes
+
+    high, low = nn.Linear(16, 16, bias=False), nn.Linear(16, 48, bias=False)
+    opt = torch.optim.AdamW([*high.parameters(), *low.parameters()])
+    assert unstepped_state_bytes(opt, torch.device("cpu")) == 0  # nothing stepped: no ratio to go by
+    high(torch.ones(1, 16)).sum().backward()
+    opt.step()
+    # AdamW keeps two fp32 moments a weight and a 4-byte step count a tensor: (2 * 1024 + 4) bytes of
+    # state for the high-noise expert's 1024 weight bytes; the low-noise one has 3072 still to step.
+    assert unstepped_state_bytes(opt, torch.device("cpu")) == 3072 * (2 * 1024 + 4) // 1024
+
+    tracker = BudgetTracker(20 * GIB, torch.device("cpu"), fixed=GIB)
+    tracker.memory = memory = _ReadMemory()
+    memory.now = 2 * GIB
+    tracker.begin_first_step()
+    memory.step_to(10 * GIB, 2 * GIB)
+    tracker.end_step(first=True)
+    assert tracker.room(state_to_come=3 * GIB) == tracker.room() - 3 * GIB == 7 * GIB
