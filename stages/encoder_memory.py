@@ -5,7 +5,9 @@ towers (every component with token embeddings: Qwen2.5-VL's decoder, T5-XXL, umT
 are streamed block by block by the offload engine, and their token-embedding tables stay in
 host memory, where the lookup runs (only the looked-up rows cross PCIe: umT5's table alone is
 2.1 GB); the VAE's encoder stays on the device.  With a budget, what is left after the resident
-pieces, the streaming slots and the VAE's activations keeps that many text blocks resident too.
+pieces, the streaming slots and the VAE's activations keeps that many text blocks resident too; with
+batches of prompts (``preprocess.batch_size``) fewer, when the room they leave lets one pass of the
+streamed blocks serve more prompts (``blocks_room``).
 
 The VAE's activations are estimated from the family's measured bytes per pixel
 (``vae_encode_bytes``): a sample whose estimate exceeds 70 % of the budget is encoded in tiles
@@ -31,6 +33,7 @@ MARGIN = 256 * 2**20  # of the budget, kept free for what no figure covers (inpu
 VAE_SHARE = 0.7    # at most this share of the budget goes to one VAE call before tiling kicks in
 TILES = (1024, 768, 512, 384, 256)  # pixel tile sizes tried, largest first
 FORCED_TILE = 512  # vae_tiling = true without a budget
+BATCH_TOKENS = 512  # prompt length the budget's split plans batches for (the padded length of T5, Mistral)
 
 
 class ExecutionDevice:
@@ -112,6 +115,10 @@ def vae_tile(spec: FamilySpec, budget_gb: float, tiling, frames: int, height: in
     return tile
 
 
+def _prompt_bytes(spec: FamilySpec, tokens: int, itemsize: int = 2) -> float:
+    return spec.prompt_encode_bytes(tokens) * SAFETY * itemsize / 2
+
+
 def _vae_bytes(spec: FamilySpec, frames: int, height: int, width: int, itemsize: int = 2) -> float:
     return spec.vae_encode_bytes(frames, height, width) * SAFETY * itemsize / 2
 
@@ -148,7 +155,7 @@ class Placement:
         return chunks + [(start, len(lengths))]
 
     def _prompt_bytes(self, spec: FamilySpec, tokens: int) -> float:
-        return spec.prompt_encode_bytes(tokens) * SAFETY * self.itemsize / 2
+        return _prompt_bytes(spec, tokens, self.itemsize)
 
     def close(self) -> None:
         for manager in self.managers:
@@ -157,11 +164,14 @@ class Placement:
 
 
 def place_encoders(components: dict, spec: FamilySpec, device: torch.device, stream: bool,
-                   budget_gb: float, tiling, largest_sample: tuple[int, int, int], itemsize: int) -> Placement:
+                   budget_gb: float, tiling, largest_sample: tuple[int, int, int], itemsize: int,
+                   batch_size: int = 1) -> Placement:
     """Put ``components`` on ``device``: resident, or streamed (see the module doc).
 
     ``largest_sample`` = (frames, height, width) bounding the samples the config allows: the VAE's
-    reserve when splitting the budget between text blocks and VAE activations.
+    reserve when splitting the budget between text blocks and VAE activations.  ``batch_size``:
+    prompts a call is given (``preprocess.batch_size``), which decides how the budget is split
+    between resident text blocks and activations (``blocks_room``).
     """
     from diffsynth_core.offload import OffloadTrainingManager
 
@@ -183,7 +193,11 @@ def place_encoders(components: dict, spec: FamilySpec, device: torch.device, str
     for module in streamed.values():
         largest, outside = _block_sizes(module)
         floor = 2 * largest + outside  # two slots (prefetch 1) and what stays outside the blocks
-        blocks_gb = max(0.0, budget - resident - floor - vae_reserve) / GIB if budget is not None else 0.0
+        blocks_gb = 0.0
+        if budget is not None:
+            room = max(0.0, budget - resident - floor - vae_reserve)
+            per_prompt = _prompt_bytes(spec, BATCH_TOKENS, itemsize) if spec.prompt_encode_bytes else None
+            blocks_gb = blocks_room(room, largest, _block_count(module), vae_reserve, per_prompt, batch_size) / GIB
         manager = OffloadTrainingManager(module, device, resident_gb=blocks_gb, data_parallel=False,
                                          share_host_copy=False)  # per process: no collectives
         placement.managers.append(manager)
@@ -200,6 +214,26 @@ def place_encoders(components: dict, spec: FamilySpec, device: torch.device, str
     return placement
 
 
+def blocks_room(room: float, block: int, blocks: int, vae_reserve: float, prompt_bytes: float | None,
+                batch_size: int) -> float:
+    """Of ``room`` (the budget less everything else and the VAE's reserve), the bytes kept for
+    resident text blocks.  One block more resident saves its copy on every call; one block's bytes
+    more of activations let a call take more prompts, and a batch of prompts shares one pass of the
+    streamed blocks.  So: the resident count with the fewest streamed block bytes per prompt at
+    ``batch_size`` prompts a call (the most blocks among equals; a batch of one keeps all that fit).
+    Text and VAE calls never run at once: the VAE's reserve is prompt room too."""
+    fit = min(blocks, int(room // block)) if block else 0
+    if batch_size <= 1 or not prompt_bytes or not fit:
+        return room
+    best_cost, best = math.inf, fit
+    for kept in range(fit + 1):
+        per_call = min(batch_size, max(1, int((room - kept * block + vae_reserve) // prompt_bytes)))
+        cost = (blocks - kept) / per_call
+        if cost <= best_cost:
+            best_cost, best = cost, kept
+    return best * block if best < fit else room
+
+
 def _vae_reserve(spec: FamilySpec, budget_gb: float, tiling, largest_sample: tuple[int, int, int],
                  itemsize: int) -> float:
     """VAE activation bytes kept free for one call on the largest sample (tiled if it will be)."""
@@ -208,6 +242,12 @@ def _vae_reserve(spec: FamilySpec, budget_gb: float, tiling, largest_sample: tup
     frames, height, width = largest_sample
     tile = vae_tile(spec, budget_gb, tiling, frames, height, width, exact_size=False, itemsize=itemsize)
     return _vae_bytes(spec, frames, min(height, tile or height), min(width, tile or width), itemsize)
+
+
+def _block_count(module: nn.Module) -> int:
+    from diffsynth_core.offload.units import find_block_containers
+
+    return sum(len(list(cont.children())) for _, cont in find_block_containers(module, None))
 
 
 def _block_sizes(module: nn.Module) -> tuple[int, int]:

@@ -153,7 +153,8 @@ def load_encoders(cfg: RunConfig, spec: FamilySpec, device: torch.device) -> Enc
     offload = cfg.preprocess.offload_encoders
     stream = device.type == "cuda" if offload == "auto" else bool(offload)
     placement = place_encoders(components, spec, device, stream, cfg.preprocess.vram_budget_gb,
-                               cfg.preprocess.vae_tiling, size_bound(cfg, spec), dtype.itemsize)
+                               cfg.preprocess.vae_tiling, size_bound(cfg, spec), dtype.itemsize,
+                               cfg.preprocess.batch_size)
     log.info("encoders of %s on %s: %s", spec.name, device, placement.report)
     return Encoders(spec, components, placement)
 
@@ -229,7 +230,7 @@ def release_encoders() -> int:
 def _pool_key(cfg: RunConfig, spec: FamilySpec, fingerprint: str, device: torch.device) -> tuple:
     p = cfg.preprocess
     return (spec.name, str(Path(cfg.model.path).resolve()), fingerprint, cfg.model.dtype, p.offload_encoders,
-            p.vram_budget_gb, p.vae_tiling, size_bound(cfg, spec), str(device))
+            p.vram_budget_gb, p.vae_tiling, size_bound(cfg, spec), p.batch_size, str(device))
 
 
 # --- encoding rows into the cache ----------------------------------------------------------------

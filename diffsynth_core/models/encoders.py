@@ -82,6 +82,27 @@ def without_decoder(vae: nn.Module) -> nn.Module:
     return vae
 
 
+def drop_layers_after(text_encoder: nn.Module, last_read: int) -> nn.Module:
+    """Drop a transformers decoder's layers that no hidden state ``<= last_read`` depends on.
+
+    ``hidden_states[k]`` is layer ``k``'s input (the last one is the final norm's output instead), so
+    ``last_read + 1`` layers leave ``hidden_states[0..last_read]`` as the whole model computes them: FLUX.2-dev
+    reads layers 10, 20 and 30 of Mistral's 40, and the other 9 would cost a quarter of stage 1's streamed
+    bytes and compute.  The decoder is the module with token embeddings whose ``layers`` its config counts
+    (not a vision tower's)."""
+    for module in text_encoder.modules():
+        layers, config = getattr(module, "layers", None), getattr(module, "config", None)
+        if isinstance(layers, nn.ModuleList) and hasattr(module, "embed_tokens") and \
+                getattr(config, "num_hidden_layers", None) == len(layers):
+            keep = min(len(layers), last_read + 1)
+            module.layers = layers[:keep]
+            config.num_hidden_layers = keep
+            if isinstance(getattr(config, "layer_types", None), list):
+                config.layer_types = config.layer_types[:keep]
+            return text_encoder
+    raise ValueError(f"{type(text_encoder).__name__}: no decoder layers to keep {last_read + 1} of")
+
+
 def enable_vae_tiling(vae: nn.Module, tile: int) -> None:
     """Encode in ``tile`` x ``tile`` pixel tiles overlapping by a quarter (diffusers' tiled encode).
 

@@ -114,3 +114,20 @@ def test_a_budget_keeps_text_blocks_resident_only_beyond_the_activation_reserve(
             assert b - a == 1 or (b - a) * spec.prompt_encode_bytes(max(lengths[a:b])) * 1.25 * 2 <= allowed
         placement.close()
     assert reports[0.275]["text_blocks_resident"] == 0 and reports[0.3]["text_blocks_resident"] == 2
+
+
+def test_batches_of_prompts_trade_resident_text_blocks_for_prompts_a_call():
+    """FLUX.2-dev's Mistral within 8 GiB (H100 figures): 40 blocks of 1.1 GB, 3.3 GB left for blocks
+    beside a 2.7 GB VAE reserve, 0.38 GB a 512-token prompt.  Three blocks resident leave room for 7
+    prompts a call: 37 blocks streamed for 7 prompts (5.3 a prompt); none resident, 15 prompts a call
+    share 40 blocks (2.7 a prompt).  One prompt a call keeps every block that fits."""
+    from stages.encoder_memory import blocks_room
+
+    gb = 1e9
+    assert blocks_room(3.3 * gb, int(1.1 * gb), 40, 2.7 * gb, 0.38 * gb, 16) == 0
+    assert blocks_room(3.3 * gb, int(1.1 * gb), 40, 2.7 * gb, 0.38 * gb, 1) == 3.3 * gb
+    # prompts a call capped by the batch: 4 prompts fit beside 3 blocks already, so all 3 stay
+    assert blocks_room(3.3 * gb, int(1.1 * gb), 40, 2.7 * gb, 0.38 * gb, 4) == 3.3 * gb
+    # a batch of 10: 2 resident leave room for all 10 (38 blocks / 10); 3 for 7 (37 / 7); 1 or 0 stream more
+    # blocks for the same 10
+    assert blocks_room(3.3 * gb, int(1.1 * gb), 40, 2.7 * gb, 0.38 * gb, 10) == 2 * int(1.1 * gb)

@@ -152,6 +152,33 @@ def test_stage_one_encoders_encode_as_the_pipeline_at_its_default_length(release
     assert all(torch.equal(o["prompt_embeds"], t) for o, t in zip(ours, theirs))
 
 
+@pytest.mark.parametrize("variant, kind", [("dev", "mistral"), ("klein-base-4b", "qwen3")])
+def test_stage_one_drops_the_text_layers_after_the_last_one_read_and_encodes_as_the_whole_model(variant, kind):
+    """Released Mistral has 40 layers and the pipeline reads 10, 20, 30 (klein's Qwen3: 36, and 9, 18, 27):
+    the encoder keeps one layer past the last read (its input is that hidden state; the final norm is not)."""
+    import copy
+
+    from diffsynth_core.models import encoders, flux2, tiny_tokenizers
+
+    last = max(flux2.READ_LAYERS[kind])
+    tokenizer = tiny_tokenizers.mistral_tokenizer() if kind == "mistral" else tiny_tokenizers.qwen2_tokenizer()
+    torch.manual_seed(0)
+    whole = (flux2.tiny_mistral if kind == "mistral" else flux2.tiny_qwen3)(len(tokenizer), layers=last + 4).eval()
+    kept = encoders.drop_layers_after(copy.deepcopy(whole), last)
+    decoder = kept.model.language_model if kind == "mistral" else kept.model
+    assert len(decoder.layers) == decoder.config.num_hidden_layers == last + 1
+    assert len(kept.model.vision_tower.transformer.layers if kind == "mistral" else []) == \
+        len(whole.model.vision_tower.transformer.layers if kind == "mistral" else [])  # the vision tower keeps its own
+    prompts = ["a red cat", "a photo of a dog on a sofa"]
+    method = "_get_mistral_3_small_prompt_embeds" if kind == "mistral" else "_get_qwen3_prompt_embeds"
+    with torch.no_grad():  # the pipeline's own encoding on the whole model, at its default layers
+        theirs = getattr(flux2._pipeline_cls(kind), method)(text_encoder=whole, tokenizer=tokenizer, prompt=prompts,
+                                                            device=torch.device("cpu"), max_sequence_length=64)
+    ours = get_family("flux2", variant).encode_prompts({"text_encoder": kept, "tokenizer": tokenizer}, prompts, "cpu",
+                                                        max_sequence_length=64)
+    assert all(torch.equal(o["prompt_embeds"], t) for o, t in zip(ours, theirs))
+
+
 def test_a_variant_given_the_other_text_encoder_is_refused(release):
     klein = get_family("flux2", "klein-base-4b")
     components = get_family("flux2", "dev").load_encoders(release / "reference-dev", torch.float32)
