@@ -137,7 +137,9 @@ def bench_mode(spec, args, mode: str, device: torch.device, over_budget, record)
         return skipped(args.sizes)
     started = time.perf_counter()
     model = _build(spec, args, device)
-    train = TrainSection(lora_rank=args.rank, seed=0, gradient_checkpointing=args.checkpointing, device=str(device))
+    act_offload = {"auto": "auto", "true": True, "false": False}[args.act_offload]
+    train = TrainSection(lora_rank=args.rank, seed=0, gradient_checkpointing=args.checkpointing, device=str(device),
+                         gradient_checkpointing_offload=act_offload)
     options = OffloadSection(enable_model_cpu_offload=mode == "offload", prefetch=args.prefetch,
                              vram_budget_gb=args.vram_budget_gb)
     dit_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -204,6 +206,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--act-offload", choices=("auto", "true", "false"), default="auto",
+                        help="train.gradient_checkpointing_offload: the checkpointed block inputs in host memory")
     parser.add_argument("--prefetch", type=int, default=1)
     parser.add_argument("--vram-budget-gb", type=float, default=0.0)
     parser.add_argument("--budget-s", type=float, default=None, help="start no run after this many seconds")
