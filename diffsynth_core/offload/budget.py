@@ -230,6 +230,7 @@ class BudgetTracker:
         self.peak = 0  # highest allocated bytes seen at the end of a step (CUDA)
         self.planned_peak: int | None = None
         self.over_budget_steps = 0
+        self.advice = ""  # what else would make the step fit, from who knows (e.g. the activation offload)
         if fixed + self.margin > budget:
             raise self.too_small(fixed, "the slots and the weights outside the streamed blocks")
 
@@ -275,7 +276,7 @@ class BudgetTracker:
     def too_small(self, need: int, what: str) -> InputError:
         return InputError(
             f"offload.vram_budget_gb = {_size(self.budget)} cannot hold {what}: that needs "
-            f"{_size(need)} plus {_size(self.margin)} of margin; raise the budget "
+            f"{_size(need)} plus {_size(self.margin)} of margin; raise the budget{self.advice} "
             f"or lower the resolution, batch or prefetch")
 
 

@@ -204,8 +204,12 @@ def prepare_for_training(model: nn.Module, spec: FamilySpec, train, offload, dev
         from .compile import compile_blocks
 
         compile_blocks(model, block_containers(model, spec))
-    _enable_checkpointing(model, spec, train, activations_need_host(train, offload, device, model, spec, latent_shape))
+    activations_on_host = activations_need_host(train, offload, device, model, spec, latent_shape)
+    _enable_checkpointing(model, spec, train, activations_on_host)
     manager = _place(model, spec, offload, device)
+    if manager is not None and manager.budget is not None and getattr(train, "gradient_checkpointing", False) \
+            and not activations_on_host:
+        manager.budget.advice = ", set train.gradient_checkpointing_offload = true (block inputs in host memory)"
     model.train()
     trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
     on_host = manager is not None and offload.enable_optimizer_cpu_offload

@@ -149,3 +149,23 @@ def test_the_budget_keeps_81_frames_of_a_40_block_14b_model_in_host_memory_and_t
     assert not activations_need_host(train, budget, torch.device("cpu"), a14b, spec, wan_81)
     assert not activations_need_host(TrainSection(gradient_checkpointing_offload=False), budget, cuda, a14b, spec,
                                      wan_81)
+
+
+@pytest.mark.parametrize("on_host", [False, True])
+def test_a_budget_too_small_for_inputs_kept_on_the_gpu_says_they_can_go_to_host_memory(on_host):
+    """A14B at 81 frames keeps 13.4 GB of checkpointed inputs: with them on the GPU a 24 GiB budget cannot
+    hold the step, and the line that says so names the key that moves them to host memory."""
+    from diffsynth_core.offload.budget import GIB
+
+    train = TrainSection(lora_rank=4, seed=5, gradient_checkpointing=True, gradient_checkpointing_offload=on_host)
+    offload = OffloadSection(enable_model_cpu_offload=True, vram_budget_gb=1.0)
+    prepared = prepare_for_training(_experts(), TWO_EXPERTS, train, offload, torch.device("cpu"))
+    tracker = prepared.offload.budget
+    tracker.first_peak, tracker.start_allocated = 2 * GIB, 0  # a step measured at twice the budget
+    tracker.memory.allocated = lambda: 0
+    with pytest.raises(InputError) as refused:
+        tracker.room()
+    line = str(refused.value)
+    assert ("train.gradient_checkpointing_offload = true" in line) is not on_host
+    assert "cannot hold one training step" in line and "raise the budget" in line
+    prepared.offload.detach()
