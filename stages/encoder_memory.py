@@ -191,13 +191,13 @@ def place_encoders(components: dict, spec: FamilySpec, device: torch.device, str
     budget = max(budget_gb * GIB - MARGIN, 0.0) if budget_gb else None
     vae_reserve = _vae_reserve(spec, budget_gb, tiling, largest_sample, itemsize)
     for module in streamed.values():
-        largest, outside = _block_sizes(module)
+        largest, outside, blocks = _block_sizes(module)
         floor = 2 * largest + outside  # two slots (prefetch 1) and what stays outside the blocks
         blocks_gb = 0.0
         if budget is not None:
             room = max(0.0, budget - resident - floor - vae_reserve)
             per_prompt = _prompt_bytes(spec, BATCH_TOKENS, itemsize) if spec.prompt_encode_bytes else None
-            blocks_gb = blocks_room(room, largest, _block_count(module), vae_reserve, per_prompt, batch_size) / GIB
+            blocks_gb = blocks_room(room, largest, blocks, vae_reserve, per_prompt, batch_size) / GIB
         manager = OffloadTrainingManager(module, device, resident_gb=blocks_gb, data_parallel=False,
                                          share_host_copy=False)  # per process: no collectives
         placement.managers.append(manager)
@@ -244,16 +244,10 @@ def _vae_reserve(spec: FamilySpec, budget_gb: float, tiling, largest_sample: tup
     return _vae_bytes(spec, frames, min(height, tile or height), min(width, tile or width), itemsize)
 
 
-def _block_count(module: nn.Module) -> int:
-    from diffsynth_core.offload.units import find_block_containers
-
-    return sum(len(list(cont.children())) for _, cont in find_block_containers(module, None))
-
-
-def _block_sizes(module: nn.Module) -> tuple[int, int]:
-    """(bytes of the largest block, bytes outside the blocks) of a module the engine streams."""
+def _block_sizes(module: nn.Module) -> tuple[int, int, int]:
+    """(bytes of the largest block, bytes outside the blocks, blocks) of a module the engine streams."""
     from diffsynth_core.offload.units import find_block_containers
 
     blocks = [b for _, cont in find_block_containers(module, None) for b in cont.children()]
     sizes = [module_bytes(b) for b in blocks]
-    return max(sizes, default=0), module_bytes(module) - sum(sizes)
+    return max(sizes, default=0), module_bytes(module) - sum(sizes), len(blocks)

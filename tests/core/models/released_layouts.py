@@ -41,6 +41,24 @@ FLUX2_RELEASES = {"black-forest-labs/FLUX.2-dev": ("reference-dev", "whole"),
 
 # --- inverse conversions ----------------------------------------------------------------------------
 
+def plain_config(config) -> dict:
+    """A model config as comparable data: tuples as lists, private keys dropped."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dict(config).items() if not k.startswith("_")}
+
+
+def assert_configs_inferred(spec, model, *renamings) -> None:
+    """The transformer's released format, recognised from its weight shapes under each naming (diffusers',
+    then each of ``renamings``), infers exactly ``model``'s config."""
+    from accelerate import init_empty_weights
+
+    for state in (model.state_dict(), *(rename(model.state_dict()) for rename in renamings)):
+        shapes = {k: tuple(v.shape) for k, v in state.items()}
+        fmt = next(f for f in spec.released_formats if f.component == "transformer" and f.recognise(shapes))
+        with init_empty_weights():
+            inferred = type(model).from_config(fmt.infer_config(shapes)).config
+        assert plain_config(inferred) == plain_config(model.config)
+
+
 def ldm_vae_names(state: dict) -> dict:
     """diffusers ``AutoencoderKL`` -> ldm names (BFL's ae.safetensors), inverse of diffusers' convert_ldm_vae_checkpoint."""
     levels = 1 + max(int(k.split(".")[2]) for k in state if k.startswith("encoder.down_blocks."))

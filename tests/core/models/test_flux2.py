@@ -18,7 +18,7 @@ from diffsynth_core.models import get_family, known_families, released
 from diffsynth_core.models.flux2_released import bfl_to_diffusers, diffusers_to_bfl
 from diffsynth_core.models.loading import load_component as load_reference
 
-from .released_layouts import MODEL_IDS
+from .released_layouts import MODEL_IDS, assert_configs_inferred, plain_config
 
 FORMATS = {name: get_family(name).released_formats for name in known_families()}
 # As DiffSynth's examples/flux2/model_training/lora/FLUX.2-*.sh name them.
@@ -31,10 +31,6 @@ def _same_weights(model, reference):
     ours, theirs = model.state_dict(), reference.state_dict()
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
-
-
-def _plain(config) -> dict:
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in dict(config).items() if not k.startswith("_")}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +51,7 @@ def test_diffsynth_downloads_without_configs_load_the_reference_model(release, m
         full = load_reference(release / reference, component, torch.float32)
         if component != "text_encoder":
             _same_weights(model, full)
-            assert _plain(model.config) == _plain(full.config)
+            assert plain_config(model.config) == plain_config(full.config)
             continue
         ids = torch.tensor([[3, 7, 11, 5, 1]])
         ours = model(input_ids=ids, output_hidden_states=True).hidden_states
@@ -91,16 +87,9 @@ def test_bfl_single_files_load_the_reference_dit_both_ways(release, tmp_path):
 @pytest.mark.parametrize("layout, parameters", [("FLUX.2-dev", 32.2e9), ("FLUX.2-klein-4B", 3.88e9),
                                                 ("FLUX.2-klein-9B", 9.08e9)])
 def test_configs_inferred_from_released_shapes_are_the_released_configs(layout, parameters):
-    from accelerate import init_empty_weights
-
     spec = get_family("flux2")
     model = spec.build_transformer(layout, torch.bfloat16, "meta")
-    for state in (model.state_dict(), diffusers_to_bfl(model.state_dict())):
-        shapes = {k: tuple(v.shape) for k, v in state.items()}
-        fmt = next(f for f in spec.released_formats if f.component == "transformer" and f.recognise(shapes))
-        with init_empty_weights():
-            inferred = type(model).from_config(fmt.infer_config(shapes)).config
-        assert _plain(inferred) == _plain(model.config)
+    assert_configs_inferred(spec, model, diffusers_to_bfl)
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(parameters, rel=0.01)
 
 

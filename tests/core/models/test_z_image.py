@@ -13,7 +13,7 @@ from diffsynth_core.models import get_family, known_families, released
 from diffsynth_core.models.loading import load_component as load_reference
 from diffsynth_core.models.z_image_released import diffusers_to_native, native_to_diffusers
 
-from .released_layouts import MODEL_IDS, Z_IMAGE_BASE_ID, ldm_vae_names
+from .released_layouts import MODEL_IDS, Z_IMAGE_BASE_ID, assert_configs_inferred, ldm_vae_names
 
 SPEC = get_family("z_image")
 FORMATS = {name: get_family(name).released_formats for name in known_families()}
@@ -84,14 +84,7 @@ def test_configs_inferred_from_released_shapes_are_the_released_configs():
     from diffsynth_core.models.z_image_released import _qwen3_config
 
     model = SPEC.build_transformer("Z-Image-Turbo", torch.bfloat16, "meta")
-    plain = lambda config: {k: list(v) if isinstance(v, tuple) else v for k, v in dict(config).items()
-                            if not k.startswith("_")}
-    for state in (model.state_dict(), diffusers_to_native(model.state_dict())):
-        shapes = {k: tuple(v.shape) for k, v in state.items()}
-        fmt = next(f for f in SPEC.released_formats if f.component == "transformer" and f.recognise(shapes))
-        with init_empty_weights():
-            inferred = type(model).from_config(fmt.infer_config(shapes)).config
-        assert plain(inferred) == plain(model.config)
+    assert_configs_inferred(SPEC, model, diffusers_to_native)
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(6.15e9, rel=0.01)
     with init_empty_weights():
         text = Qwen3Model(Qwen3Config(**ENCODER_CONFIGS["Z-Image-Turbo"]["text"]))
