@@ -153,8 +153,10 @@ class OffloadTrainingManager:
         self.averager = self._make_averager(data_parallel)
         self._handles = self._register_hooks()
         self._drop_hooks(self.plan.budget)
-        self.stats = {"loads": {"F": 0, "B": 0}, "max_loaded": 0, "steps": 0, "last_step_h2d_bytes": 0,
-                      "planned_h2d_bytes_per_step": None}
+        self._inference_hook = model.register_forward_hook(self._after_inference_forward)
+        # demand_loads: uses whose copy had not been started ahead (prefetch found nothing to do for them)
+        self.stats = {"loads": {"F": 0, "B": 0}, "demand_loads": 0, "max_loaded": 0, "steps": 0,
+                      "last_step_h2d_bytes": 0, "planned_h2d_bytes_per_step": None}
         self.unit_loads: dict[int, dict[str, int]] = {u.index: {"F": 0, "B": 0} for u in self.plan.units}
         setattr(model, _MARK, self)
 
@@ -220,6 +222,16 @@ class OffloadTrainingManager:
             for h in self._handles.pop(unit.index, []):
                 h.remove()
 
+    def _after_inference_forward(self, module, args, output) -> None:
+        """A forward of the whole model without gradients (stage 1's encoders, validation) is a step of
+        its own for the schedule: the next call's uses count from 0 again and so find the order this
+        call learned.  Without this, every call after the first met keys never seen and prefetched
+        nothing: each block's copy waited for the previous block's compute."""
+        if torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            return
+        self.sched.end_step()
+        self._rehome_by_order()
+
     def _pre_hook(self, unit):
         def hook(module, args):
             self._use(unit, "R" if torch._C._current_graph_task_id() != -1 else "F")
@@ -256,6 +268,7 @@ class OffloadTrainingManager:
                 self._order_seen.add(unit.index)
                 self._order.append(unit.index)
             if not streamer.is_loaded(unit):
+                self.stats["demand_loads"] += 1
                 if self.stepper is not None:  # its weights must have taken the last optimizer step
                     self.stepper.wait(unit.index)
                 self._load(unit, phase, streamer.home_slot(unit))
@@ -432,7 +445,7 @@ class OffloadTrainingManager:
                 self.device_steps.close()
         finally:
             self.streamer.evict_all()
-            handles = [h for hs in self._handles.values() for h in hs]
+            handles = [h for hs in self._handles.values() for h in hs] + [self._inference_hook]
             for h in handles + self._optimizer_hooks + ([self._order_hook] if self._order_hook else []):
                 h.remove()
             if self.grad_sink is not None:
@@ -453,12 +466,16 @@ class OffloadTrainingManager:
         if self.grad_sink is not None and self.streamer.cuda:  # the optimizer is about to rewrite host weights
             blocking_event(self.streamer.copy_stream).synchronize()
         self.sched.end_step()
-        if self._order:  # homes follow the execution order, so a window never shares a slot
+        self._rehome_by_order()
+        if self.grad_sink is not None:
+            self.grad_sink.finish()
+
+    def _rehome_by_order(self) -> None:
+        """Homes follow the execution order just seen, so a prefetch window never shares a slot."""
+        if self._order:
             rest = [u.index for u in self.plan.streamed if u.index not in self._order_seen]
             self.streamer.rehome(self._order + rest)
             self._order, self._order_seen = [], set()
-        if self.grad_sink is not None:
-            self.grad_sink.finish()
 
     def loaded_units(self) -> list[str]:
         """Names of the streamed units whose weights are in the slots right now."""

@@ -121,3 +121,23 @@ def test_modules_called_several_times_stay_bounded():
         model(torch.randn(2, 16))
     assert len(mgr.loaded_units()) <= 2
     mgr.detach()
+
+
+def test_forwards_without_gradients_prefetch_on_every_call():
+    """Stage 1 streams its text encoders through calls without gradients: each call must find the order the
+    last one learned, so every block's copy starts ahead of its use (on CUDA: during the previous block's
+    compute).  At most the first blocks of a call are loaded when used: nothing links one call to the next."""
+    torch.manual_seed(0)
+    model = ToyStack(n=6).requires_grad_(False)
+    mgr = OffloadTrainingManager(model, "cpu", prefetch=1)
+    x = torch.randn(4, 16)
+    per_call = []
+    with torch.no_grad():
+        for _ in range(4):
+            before = mgr.stats["demand_loads"]
+            out = model(x)
+            per_call.append(mgr.stats["demand_loads"] - before)
+    assert per_call[1:] == [per_call[1]] * 3 and per_call[1] <= 2, per_call
+    mgr.detach()
+    with torch.no_grad():
+        assert torch.equal(model(x), out)
