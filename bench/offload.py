@@ -19,8 +19,9 @@ allocator, pinned memory or RNG state, and ratios are taken between rows of one 
   Each row's s/step over its layout's resident row (``step_over_resident_compiled``) and host peak over the
   DiT's bytes (``host_peak_over_dit``).  Where dev cannot train resident (an 80 GB GPU), ``--flux2-dev-layers
   4,24`` runs every dev row at half depth, the ratio then being that stack's, as ``fp8_loss`` does for Qwen.
-* ``fp8_loss``: the same model at real width but 8 blocks, 100 steps with bf16 storage and with fp8
-  storage, same samples and noise: the loss difference.
+* ``fp8_loss``: 100 steps with bf16 storage and with fp8 storage, same samples and noise: the loss difference.
+  Qwen-Image at real width but 8 blocks; ``--fp8-loss-layout flux2_dev``: the whole FLUX.2-dev, bf16 resident
+  against fp8 within 24 GB, compiled (one row a call: ``--fp8-loss-rows``, ``--fp8-loss-against``).
 * ``determinism``: ``train.deterministic`` on CUDA, 4 real-width blocks at 512²: two runs, and a
   run stopped at step 3 and resumed to 6, compared bitwise; the same without deterministic mode;
   s/step at 1024² with and without it (its cost).
@@ -595,15 +596,37 @@ def forward_copy_bound(resident: dict, row: dict) -> dict:
             "resident_forward_s": forward, "h2d_gbps": rate}
 
 
+# --fp8-loss-layout -> (its blocks, bf16 row's arguments, fp8 row's arguments, a row's time limit in s).  Qwen-Image:
+# 8 real-width blocks, both rows streamed; FLUX.2-dev: the whole 32 B DiT as its perf rows run (compiled, fused
+# AdamW), bf16 resident against fp8 within 24 GB.
+FP8_LOSS_LAYOUTS = {
+    "qwen_image": ("8", ["--offload"], ["--offload", "--storage", "float8_e4m3fn"], 300),
+    "flux2_dev": ("8,48", ["--compile", "--fused-adamw"],
+                  ["--compile", "--fused-adamw", "--offload", "--budget-gib", f"{24e9 / GIB:.3f}",
+                   "--storage", "float8_e4m3fn"], 560)}
+
+
 def case_fp8_loss(a) -> dict:
-    layers, px, steps = ("2", "64", "6") if a.quick else ("8", "1024", "100")
-    common = ["--layers", layers, "--height", px, "--steps", steps, "--warmup", "3", "--offload"]
-    res = qwen_rows({"bf16_storage": common, "fp8_storage": [*common, "--storage", "float8_e4m3fn"]}, 300)
-    a_, b = res["bf16_storage"].get("losses"), res["fp8_storage"].get("losses")
+    """100 steps with bf16 and with fp8 storage, the same samples and noise: how far the losses drift.
+    ``--fp8-loss-rows`` runs one row (two FLUX.2-dev rows of 100 steps outlast one 600 s device call);
+    ``--fp8-loss-against FILE`` takes the rows missing here from an earlier run's JSON."""
+    layers, bf16, fp8, timeout = FP8_LOSS_LAYOUTS[a.fp8_loss_layout]
+    px, steps = ("64", "6") if a.quick else ("1024", "100")
+    common = ["--layout", a.fp8_loss_layout, "--layers", a.layers or ("2" if a.quick else layers), "--height", px,
+              "--steps", steps, "--warmup", "3"]
+    rows = {"bf16_storage": [*common, *bf16], "fp8_storage": [*common, *fp8]}
+    res = qwen_rows({name: rows[name] for name in a.fp8_loss_rows.split(",")}, timeout)
+    if a.fp8_loss_against:
+        earlier = json.loads(Path(a.fp8_loss_against).read_text())
+        for name, row in earlier["fp8_loss"].items():
+            if name in rows and name not in res:
+                res[name] = {**row, "from": a.fp8_loss_against, "device": earlier.get("device")}
+    a_, b = res.get("bf16_storage", {}).get("losses"), res.get("fp8_storage", {}).get("losses")
     if a_ and b:
         res["mean_loss_bf16"], res["mean_loss_fp8"] = statistics.mean(a_), statistics.mean(b)
         res["mean_loss_rel_diff"] = abs(res["mean_loss_fp8"] - res["mean_loss_bf16"]) / res["mean_loss_bf16"]
         res["per_step_rel_diff_median"] = statistics.median(abs(x - y) / y for x, y in zip(b, a_))
+        res["per_step_rel_diff_max"] = max(abs(x - y) / y for x, y in zip(b, a_))
         res["last10_rel_diff"] = abs(statistics.mean(b[-10:]) - statistics.mean(a_[-10:])) / statistics.mean(a_[-10:])
     return res
 
@@ -1005,6 +1028,10 @@ def main() -> None:
                        ("--profile-step", int)):
         ap.add_argument(flag, type=kind, default={"--text-len": 512, "--prefetch": 1, "--save-steps": 0,
                                                   "--profile-step": 0}.get(flag))
+    ap.add_argument("--fp8-loss-layout", default="qwen_image", choices=sorted(FP8_LOSS_LAYOUTS),
+                    help="fp8_loss: Qwen-Image (8 blocks) or FLUX.2-dev (whole)")
+    ap.add_argument("--fp8-loss-rows", default="bf16_storage,fp8_storage", help="fp8_loss: the rows this run makes")
+    ap.add_argument("--fp8-loss-against", default="", help="fp8_loss: an earlier run's JSON holding the other row")
     ap.add_argument("--qwen-steps", type=int, default=12, help="steps of each qwen20b row (3 of warm-up)")
     ap.add_argument("--budget-gib", type=float, default=0.0)
     ap.add_argument("--optim-rows", default="", help="optim rows beside all_gpu and cpu_adamw_alone (default: all)")
