@@ -22,6 +22,9 @@ allocator, pinned memory or RNG state, and ratios are taken between rows of one 
 * ``fp8_loss``: 100 steps with bf16 storage and with fp8 storage, same samples and noise: the loss difference.
   Qwen-Image at real width but 8 blocks; ``--fp8-loss-layout flux2_dev``: the whole FLUX.2-dev, bf16 resident
   against fp8 within 24 GB, compiled (one row a call: ``--fp8-loss-rows``, ``--fp8-loss-against``).
+* ``host_ram``: a released DiT layout (``--layout``, ``--layers``) saved as a diffusers folder, then loaded as
+  stage 2 loads it and attached with bf16 and with fp8 storage (runs on the CPU too): the peaks of anonymous and
+  file-backed host memory against the DiT's and the arena's bytes.
 * ``determinism``: ``train.deterministic`` on CUDA, 4 real-width blocks at 512²: two runs, and a
   run stopped at step 3 and resumed to 6, compared bitwise; the same without deterministic mode;
   s/step at 1024² with and without it (its cost).
@@ -53,6 +56,7 @@ import bisect
 import gzip
 from collections import Counter
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -631,6 +635,85 @@ def case_fp8_loss(a) -> dict:
     return res
 
 
+class HostSampler:
+    """Highest anonymous (``RssAnon``) and file-backed (``RssFile``: mapped weight files, which the kernel
+    may drop and read again) resident memory of this process, sampled every 5 ms on a thread."""
+
+    def __init__(self):
+        self.peak = {"RssAnon": 0, "RssFile": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while True:
+            self._read()
+            if self._stop.wait(0.005):
+                return
+
+    def _read(self):
+        for line in open("/proc/self/status"):
+            name = line.split(":")[0]
+            if name in self.peak:
+                self.peak[name] = max(self.peak[name], int(line.split()[1]) * 1024)
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        self._read()
+        return {f"{k.lower()}_peak_gb": v / GB for k, v in self.peak.items()}
+
+
+def host_ram_worker(a) -> dict:
+    """``--out-dir``'s DiT loaded as stage 2 loads it (``load_component``: diffusers reads the safetensors
+    files) and attached to the engine with ``--storage``: host memory at its peak against the DiT's bytes."""
+    from diffsynth_core.models.loading import load_component
+    from diffsynth_core.offload import OffloadTrainingManager
+
+    sampler = HostSampler()
+    before = sampler.stop()["rssanon_peak_gb"]  # the interpreter and its libraries
+    sampler = HostSampler()
+    model = load_component(Path(a.out_dir), "transformer", torch.bfloat16).requires_grad_(False)
+    dit_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    loaded = {k.replace("_peak", "_after_load"): v for k, v in sampler.stop().items()}
+    sampler = HostSampler()
+    device = "cuda" if torch.cuda.is_available() and a.device == "cuda" else "cpu"
+    storage = getattr(torch, a.storage) if a.storage.startswith("float8") else a.storage or None
+    manager = OffloadTrainingManager(model, device, storage_dtype=storage,
+                                     vram_budget_gb=a.budget_gib or 0.0)
+    arena = manager.report()["arena_bytes"]
+    out = {"device": device, "storage": a.storage or "bfloat16", "dit_gb": dit_bytes / GB, "arena_gb": arena / GB,
+           "rssanon_before_load_gb": before, **loaded, **sampler.stop(), "vm_hwm_gb": host_peak_gb()}
+    weights_anon = max(out["rssanon_peak_gb"], out["rssanon_after_load_gb"]) - before
+    out["anon_peak_over_dit"] = weights_anon / out["dit_gb"]  # over what the interpreter held before
+    out["anon_peak_over_arena"] = weights_anon / out["arena_gb"]
+    return out
+
+
+def case_host_ram(a) -> dict:
+    """A released DiT layout (``--layout``, ``--layers``) saved as a diffusers folder, then loaded and attached
+    with bf16 and with fp8 storage, each in its own process: the host peak of the path a user's run takes."""
+    import importlib
+
+    family, _, released, depth_keys = LAYOUTS[a.layout]
+    module = importlib.import_module(f"diffsynth_core.models.{family}")
+    folder = Path(tempfile.mkdtemp(prefix="host-ram-"))
+    try:
+        made_on = torch.device("cuda" if torch.cuda.is_available() and a.device == "cuda" else "cpu")
+        model = _layout_model(a, made_on)[1]  # random weights are made fastest on the GPU
+        model.to("cpu").save_pretrained(folder / "transformer")
+        del model
+        (folder / "model_index.json").write_text(json.dumps(
+            {"_class_name": "bench", "transformer": ["diffusers", module.TRANSFORMER_CLASS]}))
+        base = ["--worker", "host_ram", "--out-dir", str(folder)]
+        res = {"layout": a.layout, "layers": a.layers or "released"}
+        for name, storage in (("bf16_storage", ""), ("fp8_storage", "float8_e4m3fn")):
+            res[name] = _spawn([*base, *(["--storage", storage] if storage else [])], 1200)
+        return res
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def case_determinism(a) -> dict:
     layers, px = ("2", "64") if a.quick else ("4", "512")
     tmp = Path(tempfile.mkdtemp())
@@ -1068,13 +1151,16 @@ def main() -> None:
             torch.save(lora, a.lora_file)
         print(json.dumps(out))
         return
+    if a.worker == "host_ram":
+        print(json.dumps(host_ram_worker(a)))
+        return
     if a.worker == "optim":
         print(json.dumps(optim_worker(a)))
         return
     DEVICE[:] = ["--device", a.device]
     QUICK[:] = ["--quick"] if a.quick else []
     cases = {"optim": case_optim, "qwen20b": case_qwen20b, "fp8_loss": case_fp8_loss, "determinism": case_determinism,
-             "widen": case_widen, "flux2": case_flux2}
+             "widen": case_widen, "flux2": case_flux2, "host_ram": case_host_ram}
     out = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__}
     for name in a.cases.split(","):
         PARTIAL.update(path=a.out, doc=out, case=name)
