@@ -97,23 +97,26 @@ def test_a_released_vae_file_is_recognised_and_loads_and_encodes_as_the_original
                        spec.encode_pixels({"vae": vae}, pixels, "cpu")["latents"])
 
 
-@pytest.mark.parametrize("change, key", [
-    ("drop", "encoder.down_blocks.0.resnets.0.norm1.bias"),  # the file's encoder.down.0.block.0.norm1.bias
-    ("reshape", "encoder.mid_block.attentions.0.to_q.weight"),  # the file's encoder.mid.attn_1.q.weight
+@pytest.mark.parametrize("file_key, shape, named, says", [
+    ("encoder.down.0.block.0.norm1.bias", None, "encoder.down_blocks.0.resnets.0.norm1.bias", "1 missing"),
+    ("encoder.mid.attn_1.q.weight", (32, 16, 1, 1), "encoder.mid_block.attentions.0.to_q.weight", "1 misshapen"),
+    ("decoder.up.0.block.0.conv2.weight", None, "decoder.up_blocks.3.resnets.0.conv2.weight",  # the config reads it
+     "cannot derive the AutoencoderKLFlux2 config"),
 ])
-def test_a_missing_or_misshapen_tensor_is_one_line_naming_file_and_key(tmp_path, change, key):
+def test_a_missing_or_misshapen_tensor_is_one_line_naming_file_and_key(tmp_path, file_key, shape, named, says):
+    """The key is named as the model names it (the file's name in the parameters here)."""
     names = bfl_vae_names(tiny_vae().state_dict())
-    if change == "drop":
-        del names["encoder.down.0.block.0.norm1.bias"]
+    if shape is None:
+        del names[file_key]
     else:
-        names["encoder.mid.attn_1.q.weight"] = torch.zeros(32, 16, 1, 1)
+        names[file_key] = torch.zeros(shape)
     path = tmp_path / "ae.safetensors"
     save_file(names, str(path))
     with pytest.raises(InputError) as error:
         released.load_named(get_family("flux2").released_formats, "vae", [path], torch.float32)
     message = str(error.value)
-    assert str(path) in message and key in message and "\n" not in message
-    assert ("1 missing" if change == "drop" else "1 misshapen") in message and error.value.exit_code == 2
+    assert str(path) in message and named in message and says in message and "\n" not in message
+    assert error.value.exit_code == 2
 
 
 def test_model_sources_vae_takes_the_file_through_stage_one(released_models, tmp_path):
