@@ -8,6 +8,8 @@
 * BFL's single DiT files (``flux2-dev.safetensors``, ``flux-2-klein-4b.safetensors``, ComfyUI's copies):
   the original names (``double_blocks.N.img_attn.qkv``, ``single_blocks.N.linear1``, ...), converted
   by diffusers' ``convert_flux2_transformer_checkpoint_to_diffusers`` (any width).
+* The VAE: ``flux2_vae_released`` (diffusers names; BFL's ``ae.safetensors`` and ComfyUI's
+  ``flux2-vae.safetensors`` names).
 * Mistral's text encoder is loaded as its text decoder alone (``MistralModel``): encoding reads only its
   hidden states, so the vision tower, projector and LM head are never read.
 
@@ -25,6 +27,7 @@ from typing import Any, Mapping
 
 import torch
 
+from . import flux2_vae_released
 from .loading import read_model_index_file
 from .released import ReleasedFormat, count_indices
 from .weight_files import Shapes, StateDict, read_shapes
@@ -32,8 +35,6 @@ from .weight_files import Shapes, StateDict, read_shapes
 # The release's facts that are not in the weights' shapes (black-forest-labs/FLUX.2-dev transformer/config.json;
 # the klein releases share them).
 DIT_FACTS = dict(patch_size=1, rope_theta=2000, eps=1e-6)
-VAE_FACTS = dict(act_fn="silu", norm_num_groups=32, sample_size=1024, batch_norm_eps=1e-4, batch_norm_momentum=0.1,
-                 in_channels=3, out_channels=3)
 
 # --- the DiT: diffusers module -> BFL module -------------------------------------------------------
 
@@ -220,26 +221,6 @@ def encoders_variant(sources: Mapping[str, list[str]]) -> str | None:
     return None
 
 
-# --- the VAE ----------------------------------------------------------------------------------------
-
-def _is_flux2_vae(s: Shapes) -> bool:
-    return "bn.running_mean" in s and "encoder.down_blocks.0.resnets.0.conv1.weight" in s
-
-
-def _vae_config(s: Shapes) -> dict[str, Any]:
-    levels = count_indices(s, "encoder.down_blocks.")
-    encoder = [s[f"encoder.down_blocks.{i}.resnets.0.conv2.weight"][0] for i in range(levels)]
-    decoder = [s[f"decoder.up_blocks.{levels - 1 - i}.resnets.0.conv2.weight"][0] for i in range(levels)]
-    latent = s["encoder.conv_out.weight"][0] // 2
-    patch = int(round((s["bn.running_mean"][0] // latent) ** 0.5))
-    return dict(VAE_FACTS, down_block_types=["DownEncoderBlock2D"] * levels,
-                up_block_types=["UpDecoderBlock2D"] * levels,
-                block_out_channels=encoder, decoder_block_out_channels=None if decoder == encoder else decoder,
-                layers_per_block=count_indices(s, "encoder.down_blocks.0.resnets."), latent_channels=latent,
-                use_quant_conv="quant_conv.weight" in s, use_post_quant_conv="post_quant_conv.weight" in s,
-                mid_block_add_attention="encoder.mid_block.attentions.0.to_q.weight" in s, patch_size=[patch, patch])
-
-
 # --- text encoders ------------------------------------------------------------------------------------
 
 # Mistral3 checkpoints name the text decoder ``language_model.model.`` (as released) or
@@ -302,8 +283,7 @@ FORMATS = (
                    "BFL flux2-dev / flux-2-klein single files (original names)",
                    lambda s: "double_stream_modulation_img.lin.weight" in s and "img_in.weight" in s,
                    _bfl_dit_config, convert=bfl_to_diffusers),
-    ReleasedFormat("vae", "diffusers", "AutoencoderKLFlux2", "FLUX.2 vae weights (diffusers names)", _is_flux2_vae,
-                   _vae_config),
+    *flux2_vae_released.FORMATS,
     ReleasedFormat("text_encoder", "transformers", "MistralModel",
                    "FLUX.2-dev text_encoder weights (Mistral-Small-3.2; its text decoder is read)", _is_mistral3,
                    mistral_config, convert=mistral_text_only),

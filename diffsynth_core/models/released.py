@@ -98,7 +98,8 @@ def _config_of(fmt: ReleasedFormat, weights: list[Path], config_file: Path | Non
     try:
         return fmt.infer_config(read_shapes(weights) if shapes is None else shapes)
     except (KeyError, IndexError, ValueError, ZeroDivisionError) as exc:
-        raise InputError(f"{weights[0].parent}: cannot derive the {fmt.class_name} config from the weights "
+        where = weights[0] if len(weights) == 1 else weights[0].parent  # the file, or the shards' folder
+        raise InputError(f"{where}: cannot derive the {fmt.class_name} config from the weights "
                          f"({type(exc).__name__}: {exc}); are these {fmt.description}?") from exc
 
 
