@@ -162,6 +162,7 @@ def test_a_cache_encoded_without_dropout_is_refused_before_training_and_complete
     """caption_dropout turned on after stage 1: training stops before its first step, one line naming
     preprocess (exit code 2); preprocess then encodes only the edit rows' empty prompts."""
     from diffsynth_core.errors import exit_code_of
+    from stages.status import work_left
 
     _, _, _, config = run
     paths = [f"cache.url={tmp_path / 'cache.zarr'}", f"output.path={tmp_path / 'out'}"]
@@ -173,8 +174,10 @@ def test_a_cache_encoded_without_dropout_is_refused_before_training_and_complete
     assert exit_code_of(refused.value) == 2 and "\n" not in message
     assert "train.caption_dropout" in message and "2 rows" in message and "splitflow preprocess" in message
     assert not (cfg.output_dir / "metrics.csv").exists() and not (cfg.output_dir / "checkpoints").exists()
+    assert work_left(cfg).parts == [0]  # what `splitflow status` and `run` read: part 0 holds those rows
     summary = preprocess.run(cfg)
     assert (summary.encoded, summary.reused, summary.empty_prompts, summary.complete) == (0, 3, 2, True)
+    assert work_left(cfg).parts == []
     assert "2 empty prompts" in summary.describe()
 
 
