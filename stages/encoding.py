@@ -263,6 +263,7 @@ class Encoded:
     rows: int = 0            # rows' conditioning entries (prompt, references) written
     latents: int = 0         # target-latents entries written (the others were in the cache already)
     skipped: list[dict] = field(default_factory=list)             # bad rows (skip_bad_samples)
+    empty_prompts: int = 0   # rows' own empty prompts written (Plan.empty_keys)
     truncated: list[tuple[int, int]] = field(default_factory=list)  # (row, tokens kept) of cut prompts
 
 
@@ -305,30 +306,52 @@ def _encode_batches(cfg: RunConfig, plan, store, rows: list[int], encoders: Enco
         for batch in shape_batches(items, p.batch_size, max_pending=4 * p.batch_size, group=tiles.get):
             samples = [(row, sample) for row, sample in batch if sample is not None]
             done.skipped += [{"row": row, "key": plan.keys[row]} for row, sample in batch if sample is None]
-            # A target whose latents the cache holds (or this batch encodes for an earlier row) is not encoded again.
-            need_latents, in_batch = [], set()
-            for row, _ in samples:
-                need_latents.append(not store.has(plan.latent_keys[row]) and plan.latent_keys[row] not in in_batch)
-                in_batch.add(plan.latent_keys[row])
-            for (row, sample), (latents, entry) in zip(samples, _encode_batch(encoders, samples, need_latents,
-                                                                                tiles, options)):
+            needs = _batch_needs(plan, store, samples)
+            for (row, sample), (latents, entry, empty) in zip(samples, _encode_batch(encoders, samples, needs,
+                                                                                       tiles, options)):
                 if latents is not None:  # first, so a committed row always finds its latents
                     store.put(plan.latent_keys[row], latents)
                     done.latents += 1
-                store.put(plan.keys[row], entry)
-                done.rows += 1
-                if entry["meta"].get("prompt_tokens", 0) > entry["meta"].get("prompt_tokens_kept", 0):
-                    done.truncated.append((row, entry["meta"]["prompt_tokens_kept"]))
-                if done.rows % p.commit_every == 0:
+                if empty is not None:  # and its own empty prompt
+                    store.put(plan.empty_keys[row], empty)
+                    done.empty_prompts += 1
+                if entry is not None:
+                    store.put(plan.keys[row], entry)
+                    done.rows += 1
+                    if entry["meta"].get("prompt_tokens", 0) > entry["meta"].get("prompt_tokens_kept", 0):
+                        done.truncated.append((row, entry["meta"]["prompt_tokens_kept"]))
+                if (done.rows + done.empty_prompts) % p.commit_every == 0:
                     store.commit()
             progress.update(len(batch))
     store.commit()
     return done
 
 
-def _encode_batch(encoders: Encoders, samples: list, need_latents: list[bool], tiles: dict,
-                  options: dict) -> list[tuple[dict | None, dict]]:
-    """(target-latents entry or None where not needed, conditioning entry) of each sample."""
+@dataclass
+class _Needs:
+    """What a batch's samples need written: their target latents, conditioning entry, own empty prompt."""
+
+    latents: list[bool]
+    entries: list[bool]
+    empty: list[bool]
+
+
+def _batch_needs(plan, store, samples: list) -> _Needs:
+    """An entry the cache holds (or this batch writes for an earlier row: targets and empty prompts are
+    shared) is not encoded again.  A row is here for its conditioning entry, else for its own empty prompt."""
+    needs, in_batch = _Needs([], [], []), set()
+    for row, _ in samples:
+        latent_key, empty_key = plan.latent_keys[row], plan.empty_keys.get(row)
+        needs.latents.append(not store.has(latent_key) and latent_key not in in_batch)
+        needs.entries.append(not (store.has(plan.keys[row]) and store.has(latent_key)))
+        needs.empty.append(empty_key is not None and not store.has(empty_key) and empty_key not in in_batch)
+        in_batch.update((latent_key, empty_key))
+    return needs
+
+
+def _encode_batch(encoders: Encoders, samples: list, needs: _Needs, tiles: dict,
+                  options: dict) -> list[tuple[dict | None, dict | None, dict | None]]:
+    """(target-latents entry, conditioning entry, own empty prompt; each None where not needed) of each sample."""
     if not samples:
         return []
     spec = encoders.spec
@@ -336,19 +359,32 @@ def _encode_batch(encoders: Encoders, samples: list, need_latents: list[bool], t
     # The vision tower's inputs when the family's text encoder sees the references (None: a text-only call).
     images = ([sample.reference_images for _, sample in samples]
               if spec.references is not None and spec.references.text_area else None)
-    encode = [sample.pixels for (_, sample), needed in zip(samples, need_latents) if needed]
+    entries = [i for i, needed in enumerate(needs.entries) if needed]
+    empties = [i for i, needed in enumerate(needs.empty) if needed]
+    encode = [sample.pixels for (_, sample), needed in zip(samples, needs.latents) if needed]
     with encoders.lock:
-        prompt_parts = encoders.encode_prompts(prompts, options, images)
+        prompt_parts = dict(zip(entries, encoders.encode_prompts(
+            [prompts[i] for i in entries], options, None if images is None else [images[i] for i in entries])
+            if entries else []))
+        # The empty text with the row's references: what the pipeline encodes for prompt="" and those images.
+        empty_parts = dict(zip(empties, encoders.encode_prompts(
+            [""] * len(empties), options, [images[i] for i in empties]) if empties else []))
         pixel_parts = iter(encoders.encode_pixels(torch.stack(encode), tiles.get(samples[0][0])) if encode else [])
-        reference_parts = [encoders.encode_references(sample) for _, sample in samples]
+        reference_parts = {i: encoders.encode_references(samples[i][1]) for i in entries}
     out = []
-    for (row, sample), prompt, a, refs, needed in zip(samples, prompts, prompt_parts, reference_parts, need_latents):
+    for i, ((row, sample), prompt) in enumerate(zip(samples, prompts)):
         size = {"height": sample.height, "width": sample.width, "num_frames": sample.num_frames}
-        latents = None
-        if needed:
+        latents = empty = entry = None
+        if needs.latents[i]:
             latents = {k: _own_host_copy(v) for k, v in next(pixel_parts).items()}
             latents["meta"] = {**size, "files": [str(sample.files[0])]}
-        entry = {k: _own_host_copy(v) for k, v in {**a, **refs}.items()}
+        if needs.empty[i]:
+            empty = {k: _own_host_copy(v) for k, v in empty_parts[i].items()}
+            empty["meta"] = {"prompt": "", "empty_prompt": True, "references": len(sample.references)}
+        if not needs.entries[i]:
+            out.append((latents, None, empty))
+            continue
+        entry = {k: _own_host_copy(v) for k, v in {**prompt_parts[i], **reference_parts[i]}.items()}
         entry["meta"] = {"row": row, "prompt": prompt, **size, "files": [str(f) for f in sample.files]}
         if sample.references:
             entry["meta"].update(references=len(sample.references),
@@ -357,7 +393,7 @@ def _encode_batch(encoders: Encoders, samples: list, need_latents: list[bool], t
         if spec.count_prompt_tokens is not None:  # recorded so truncation is reported (issue 9)
             needed_tokens, kept = spec.count_prompt_tokens(encoders.components, prompt, **options)
             entry["meta"].update(prompt_tokens=needed_tokens, prompt_tokens_kept=kept)
-        out.append((latents, entry))
+        out.append((latents, entry, empty))
     return out
 
 

@@ -51,6 +51,9 @@ class Plan:
     latent_keys: dict[int, str] = field(default_factory=dict)  # row -> target-latents key
     text_fingerprint: str = ""      # the prompt side: text encoder files, the variant (template)
     encoders_fingerprint: str = ""  # every encoder file: one loaded set per value (stages.encoding.POOL)
+    # row -> its own empty-prompt entry (``row_empty_prompt_key``): the rows with references of a family whose
+    # dropped caption keeps them (``ReferenceRule.empty_prompt_with_references``), when caption dropout is on
+    empty_keys: dict[int, str] = field(default_factory=dict)
 
     def latents_of(self) -> dict[str, str]:
         """Conditioning key -> its target-latents key (what training reads beside each row's entry)."""
@@ -88,10 +91,12 @@ def make_plan(cfg: RunConfig, part: int | None = None) -> Plan:
     pixel_encoding = {"dtype": cfg.model.dtype, "vae": pixel_identity}
     prompt_encoding = {"max_sequence_length": cfg.preprocess.max_sequence_length, "dtype": cfg.model.dtype,
                        "text": text_identity}
+    own_empty = (cfg.train.caption_dropout > 0 and spec.references is not None
+                 and spec.references.empty_prompt_with_references)
     rows = range(len(dataset.records))
     if part is not None:
         rows = [row for row in rows if part_of(dataset, row, cfg.preprocess.parts) == part]
-    keys, latent_keys, tiles = {}, {}, {}
+    keys, latent_keys, tiles, empty_keys = {}, {}, {}, {}
     for row in rows:
         files = dataset.source_files(row)  # the target's, then each reference's
         settings = dataset.key_settings(row)  # reads an image's header: once per row, here
@@ -101,10 +106,13 @@ def make_plan(cfg: RunConfig, part: int | None = None) -> Plan:
         if len(files) > 1:  # reference latents: the VAE too (already in the latents key, stated for readers)
             conditioning["vae"] = pixel_identity
         keys[row] = entry_key(dataset.records[row], files[1:], conditioning)
+        if own_empty and len(files) > 1:
+            blank = {**dataset.records[row], dataset.prompt_column_of(row): ""}
+            empty_keys[row] = row_empty_prompt_key(blank, files[1:], conditioning)
         if tiled:  # encoding uses the tile its key records
             tiles[row] = tiled["vae_tile"]
     return Plan(spec, dataset, keys, fingerprint_of(pixel_identity), tiles, latent_keys,
-                fingerprint_of(text_identity), fingerprint_of(identity))
+                fingerprint_of(text_identity), fingerprint_of(identity), empty_keys)
 
 
 def empty_prompt_key(cfg: RunConfig, encoder_fingerprint: str) -> str:
@@ -116,6 +124,13 @@ def empty_prompt_key(cfg: RunConfig, encoder_fingerprint: str) -> str:
     return f"{AUX_PREFIX}empty-prompt.{fingerprint_of(settings)}"
 
 
+def row_empty_prompt_key(fields: dict, reference_files: list, conditioning: dict) -> str:
+    """Cache key of a row's own empty prompt, encoded with its references (``Plan.empty_keys``): keyed as the
+    row's conditioning entry with its prompt emptied (rows differing only in their prompts share it).
+    An auxiliary entry: no training key; it holds only the prompt-side tensors, the row's entry its references."""
+    return f"{AUX_PREFIX}empty-prompt.{entry_key(fields, reference_files, conditioning)}"
+
+
 @dataclass
 class Needs:
     """What a config needs from a cache, row by row."""
@@ -125,10 +140,12 @@ class Needs:
     missing: dict[int, str] = field(default_factory=dict)  # row -> key without an entry
     skipped: list[dict] = field(default_factory=list)      # bad rows left out (skip on), one per key
     rows: int = 0
+    empty: dict[str, str] = field(default_factory=dict)          # train key -> its own empty prompt (Plan.empty_keys)
+    empty_missing: dict[int, str] = field(default_factory=dict)  # row -> own empty prompt without an entry
 
     @property
     def complete(self) -> bool:
-        return not self.missing
+        return not self.missing and not self.empty_missing
 
 
 def needs(plan: Plan, store, skip_bad_samples: bool, known_skips: list[dict] = ()) -> Needs:
@@ -144,6 +161,11 @@ def needs(plan: Plan, store, skip_bad_samples: bool, known_skips: list[dict] = (
         if store.has(key) and store.has(plan.latent_keys[row]):
             result.train.append(key)
             result.latents[key] = plan.latent_keys[row]
+            empty = plan.empty_keys.get(row)
+            if empty is not None and store.has(empty):
+                result.empty[key] = empty
+            elif empty is not None:
+                result.empty_missing[row] = empty
         elif skip_bad_samples and key in recorded:
             skipped.setdefault(key, recorded[key])
         else:
@@ -196,6 +218,8 @@ class TrainingSet:
     keys: list[str]                     # the rows' entries, in training order
     latents: dict[str, str] | None      # each key -> its target-latents entry; None: entries hold their latents
     plan: Plan | None                   # None: an imported cache
+    empty: dict[str, str] = field(default_factory=dict)          # key -> its own empty prompt (Needs.empty)
+    empty_missing: dict[int, str] = field(default_factory=dict)  # row -> its own empty prompt, not in the cache
 
 
 def training_keys(cfg: RunConfig) -> tuple[object, list[str]]:
@@ -224,7 +248,7 @@ def training_set(cfg: RunConfig) -> TrainingSet:
     if not found.train:
         raise IncompleteCacheError(f"cache {store.url} holds none of the {found.rows} rows this config "
                                    "trains on; run `splitflow preprocess CONFIG`")
-    return TrainingSet(store, found.train, found.latents, plan)
+    return TrainingSet(store, found.train, found.latents, plan, found.empty, found.empty_missing)
 
 
 def completeness(store, found: Needs | None) -> dict:

@@ -42,6 +42,8 @@ class CacheSummary:
     # another config over the same images and VAE, or for an identical target earlier in this dataset).
     latents_encoded: int = 0
     latents_reused: int = 0
+    # Rows' own empty prompts encoded now, with their references (caption dropout: Plan.empty_keys).
+    empty_prompts: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -53,6 +55,8 @@ class CacheSummary:
             text += f", {len(self.skipped)} bad rows skipped"
         if self.truncated:
             text += f", {self.truncated} prompts truncated"
+        if self.empty_prompts:
+            text += f", {self.empty_prompts} empty prompts with their rows' references (caption dropout)"
         if self.latents_reused:  # shared with another config over the same images (or a repeated target)
             text += f"; target latents: {self.latents_encoded} encoded, {self.latents_reused} reused"
         return text + f" in {self.seconds:.1f}s -> {self.url}"
@@ -105,13 +109,16 @@ def _run_part(cfg: RunConfig, part: int | None, writer: str, lock) -> CacheSumma
     rows = _unique_rows(plan)
     todo = [row for row in rows if not (store.has(plan.keys[row]) and store.has(plan.latent_keys[row]))]
     summary = CacheSummary(store.url, part, parts, len(rows), 0, len(rows) - len(todo))
+    # Rows cached without their own empty prompt (encoded with caption dropout off): only that is encoded.
+    todo += [row for row in rows if row in plan.empty_keys and not store.has(plan.empty_keys[row]) and row not in todo]
     empty_key = empty_prompt_key(cfg, plan.text_fingerprint)
     if part not in (None, 0) or store.has(empty_key):
         empty_key = None  # part 0 (or the only writer) encodes it, once per cache
     if todo or empty_key:
-        done = _encode_rows(cfg, plan, store, todo, part, empty_key)
+        done = _encode_rows(cfg, plan, store, sorted(todo), part, empty_key)
         summary.encoded, summary.skipped, summary.truncated = done.rows, done.skipped, len(done.truncated)
         summary.latents_encoded, summary.latents_reused = done.latents, done.rows - done.latents
+        summary.empty_prompts = done.empty_prompts
     if part is None:
         summary.complete = finalize(cfg, summary.skipped, plan=plan).complete
     summary.seconds = time.perf_counter() - started

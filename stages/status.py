@@ -151,7 +151,8 @@ def _rows_left(cfg: RunConfig, view: CacheView) -> tuple[list[int], list[str]]:
     store, plan = view.store, view.plan
     if plan is None:  # an imported cache: nothing to encode, train on what it records
         return [], store.dataset_keys() or store.keys()
-    parts = {part_of(plan.dataset, row, cfg.preprocess.parts) for row in view.found.missing}
+    rows = [*view.found.missing, *view.found.empty_missing]  # rows without their entry, or their own empty prompt
+    parts = {part_of(plan.dataset, row, cfg.preprocess.parts) for row in rows}
     if not store.has(empty_prompt_key(cfg, plan.text_fingerprint)):
         parts.add(0)  # part 0 encodes the empty prompt (caption dropout) once per cache
     return sorted(parts), view.found.train

@@ -128,6 +128,33 @@ def load_empty_prompt(cfg: RunConfig, store, text_fingerprint: str | None = None
     return {k: v for k, v in store.get(key).items() if isinstance(v, torch.Tensor)}
 
 
+class EmptyPrompts:
+    """Caption dropout's prompt for sample ``index``: its row's own empty prompt, encoded with its references
+    where the family's prompt must hold them (``stages.keys.Plan.empty_keys``), else the shared one."""
+
+    def __init__(self, store, keys: list[str], own: dict[str, str], shared: dict[str, torch.Tensor]):
+        self.store, self.keys, self.own, self.shared = store, keys, own, shared
+
+    def __call__(self, index: int) -> dict[str, torch.Tensor]:
+        key = self.own.get(self.keys[index])
+        if key is None:
+            return self.shared
+        return {k: v for k, v in self.store.get(key).items() if isinstance(v, torch.Tensor)}
+
+
+def empty_prompts(cfg: RunConfig, found) -> dict[str, torch.Tensor] | EmptyPrompts | None:
+    """What caption dropout trains on (``load_empty_prompt``, and the rows' own where the plan has them); refuses,
+    before any training, a cache whose rows lack their own (encoded with caption dropout off)."""
+    shared = load_empty_prompt(cfg, found.store, found.plan and found.plan.text_fingerprint)
+    if found.empty_missing:
+        row = next(iter(found.empty_missing))
+        raise InputError(f"train.caption_dropout = {cfg.train.caption_dropout} needs each edit row's empty prompt "
+                         f"encoded with its references, which cache {found.store.url} lacks for "
+                         f"{len(found.empty_missing)} rows (first: data row {row + 1}): run `splitflow preprocess` "
+                         f"once more (it encodes only those)")
+    return EmptyPrompts(found.store, found.keys, found.empty, shared) if found.empty else shared
+
+
 def load_transformer(cfg: RunConfig, spec: FamilySpec, experts: tuple[Expert, ...] = ()) -> torch.nn.Module:
     """The DiT to train: the family's transformer, the one expert trained, or several (``ExpertModels``)."""
     check_model_folder(spec, cfg.model.path)
@@ -236,7 +263,7 @@ def _train(cfg: RunConfig) -> TrainSummary:
     refuse_fixed_changes(cfg, checkpoints.latest_metadata(), str(checkpoints.latest_dir()))  # before any reading
     found = training_set(cfg)  # checked against the model, derived from the config
     store, keys = found.store, found.keys
-    empty_prompt = load_empty_prompt(cfg, store, found.plan and found.plan.text_fingerprint)  # fails fast
+    empty_prompt = empty_prompts(cfg, found)  # fails fast
     optimizers.checked_args(optimizers.optimizer_class(cfg.train.optimizer), cfg.train.optimizer,
                             cfg.train.optimizer_args)  # a misspelt argument too
     configure_determinism(cfg.train.deterministic, cfg.train.seed)

@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 # Bumped when decoding changes what a row turns into (resampling filter, rounding…), so
 # cache keys built from `settings()` go stale with it.
 PIXELS_VERSION = 1
+# ReferenceRule fields that change no decoded pixels: left out of the reference settings keys hold.
+UNKEYED_RULES = ("empty_prompt_with_references",)
 
 
 @dataclass
@@ -198,7 +200,7 @@ class SampleDataset(Dataset):
                 return {}
         except DatasetError:
             return {}  # the row is bad: load() reports it
-        rule = {k: getattr(self.references, k) for k in self.references.__dataclass_fields__}
+        rule = {k: getattr(self.references, k) for k in self.references.__dataclass_fields__ if k not in UNKEYED_RULES}
         return {"reference_rule": rule, "reference_size": self.reference_size,
                 "reference_pixels": self.reference_pixels, "reference_background": list(self.background),
                 "reference_resample": "lanczos", "pixels_version": PIXELS_VERSION}
@@ -233,6 +235,10 @@ class SampleDataset(Dataset):
         if index not in self._skipped:
             logger.warning("skipping bad sample: %s", error)
         self._skipped[index] = (error.file or "", error.reason)
+
+    def prompt_column_of(self, index: int) -> str:
+        """The column row `index` reads its prompt from."""
+        return self.prompt_column
 
     def _fields(self, index: int) -> dict[str, Any]:
         fields = dict(self.records[index])

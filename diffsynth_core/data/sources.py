@@ -56,6 +56,10 @@ class ConcatSamples:
         part, row = self._rows[index]
         return self.parts[part].reference_settings(row)
 
+    def prompt_column_of(self, index: int) -> str:
+        part, row = self._rows[index]
+        return self.parts[part].prompt_column_of(row)
+
     def load(self, index: int) -> Sample | None:
         part, row = self._rows[index]
         return self.parts[part].load(row)

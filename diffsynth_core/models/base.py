@@ -81,6 +81,10 @@ class ReferenceRule:
     # The vision tower sees each reference as the VAE does (its size and crop, alpha over white), not at
     # ``text_area``: Qwen-Image-2.1, whose every image slot in the prompt stands for 2x2 of its latents.
     text_at_vae_size: bool = False
+    # The prompt embedding is valid only with the row's references in it (its image slots must match their
+    # latents: Qwen-Image-2.1): caption dropout trains on the empty text encoded with the row's references,
+    # one cache entry per such row, not on the one text-only empty prompt.  Changes no decoded pixels: not keyed.
+    empty_prompt_with_references: bool = False
     # A video target's first frame is the reference when the row names none (I2V).
     first_frame_of_target: bool = False
 

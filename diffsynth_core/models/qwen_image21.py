@@ -205,9 +205,8 @@ def _check_layout(layout: tuple, references: list[torch.Tensor]) -> None:
     slots, needed = sum(layout), sum(r.shape[-2] * r.shape[-1] // SLOT ** 2 for r in references)
     if slots != needed:
         raise InputError(f"the prompt holds {slots} image slots but its {len(references)} reference latents need "
-                         f"{needed}: an entry encoded without its references (train.caption_dropout swaps in the "
-                         f"empty text prompt, which Qwen-Image-2.1 edits cannot train on: set it to 0), or "
-                         f"references re-encoded at another size (re-run preprocess)")
+                         f"{needed}: an entry encoded without its references, or references re-encoded at "
+                         f"another size (re-run preprocess)")
 
 
 def _forward_group(transformer, latents, sigmas, cond, references, length: int) -> torch.Tensor:
@@ -439,7 +438,8 @@ SPEC = FamilySpec(
     # The pipeline resizes references to about output_resolution² (1024²) at multiples of 32 and hands the
     # same pixels to the VAE (RGBA) and the vision tower (over white).
     references=ReferenceRule(max_count=None, vae_area=REFERENCE_AREA, vae_multiple=PIXEL_MULTIPLE,
-                             text_area=REFERENCE_AREA, text_multiple=PIXEL_MULTIPLE, alpha=True, text_at_vae_size=True),
+                             text_area=REFERENCE_AREA, text_multiple=PIXEL_MULTIPLE, alpha=True, text_at_vae_size=True,
+                             empty_prompt_with_references=True),
     vae_rgba=True,
     pixel_multiple=PIXEL_MULTIPLE,
     latent_patch=1,

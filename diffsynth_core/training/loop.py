@@ -96,14 +96,15 @@ def _world() -> tuple[int, int]:
 class Trainer:
     """Train ``model`` (the family's DiT) on ``samples`` (cache entries with a ``latents`` key).
 
-    ``empty_prompt``: the cached empty prompt's tensors, which ``train.caption_dropout`` trains on.
+    ``empty_prompt``: the cached empty prompt's tensors, which ``train.caption_dropout`` trains on; or a
+    callable giving them for a sample's index (rows whose empty prompt holds their references).
     """
 
     def __init__(self, spec: FamilySpec, model: nn.Module, samples: Sequence[Mapping[str, Any]], train, offload,
                  output_dir: Path | str, device: torch.device | str = "cpu", repeat: int = 1, progress: bool = True,
                  callbacks: Sequence[Callable[[int, nn.Module], None]] = (),
                  checkpoint_metadata: Mapping[str, Any] | None = None,
-                 empty_prompt: Mapping[str, torch.Tensor] | None = None,
+                 empty_prompt: Mapping[str, torch.Tensor] | Callable[[int], Mapping[str, torch.Tensor]] | None = None,
                  sigma_range: tuple[float, float] | None = None):
         self.spec, self.model, self.samples = spec, model, samples
         self.train, self.offload_opts = train, offload
@@ -283,7 +284,8 @@ class Trainer:
                               template=self.schedule.template,
                               sigma_range=self.sigma_range)
         if self.train.caption_dropout > 0 and torch.rand(1, generator=generator).item() < self.train.caption_dropout:
-            entry = with_empty_prompt(entry, self.empty_prompt)
+            empty = self.empty_prompt(index) if callable(self.empty_prompt) else self.empty_prompt
+            entry = with_empty_prompt(entry, empty)
         return entry, noise, sigma
 
     # -- EMA and checkpoints -------------------------------------------------------------------

@@ -105,6 +105,82 @@ def test_full_fine_tuning_with_ema_writes_the_weights_and_their_average(run):
     assert trained.keys() == averaged.keys() and any(not torch.equal(trained[k], averaged[k]) for k in trained)
 
 
+def _prompt_side(entry):
+    return {k: entry[k] for k in ("prompt_embeds", "prompt_embeds_mask", "image_pad_mask")}
+
+
+def test_a_dropped_caption_of_an_edit_row_is_the_pipelines_empty_prompt_with_its_references(run):
+    """Caption dropout on: stage 1 also writes each edit row's empty text encoded with its references, what
+    QwenImage21Pipeline.encode_prompt gives for prompt="" and those images; the text-to-image row has none."""
+    from diffusers import QwenImage21Pipeline
+
+    _, _, model, config = run
+    cfg = config("train.caption_dropout=0.5")
+    preprocess.run(cfg)
+    plan, store = make_plan(cfg), open_cache(cfg.cache_url, mode="r")
+    assert sorted(plan.empty_keys) == [0, 1] and plan.keys == make_plan(config()).keys  # row keys unchanged
+    pipe = QwenImage21Pipeline.from_pretrained(model, **SPEC.load_components(model, ("processor",), torch.float32,
+                                                                             "cpu"))
+    for row in (0, 1):
+        own = store.get(plan.empty_keys[row])
+        assert "ref_latents_0" not in own and int(own["image_pad_mask"].sum()) == 2  # one slot per 2x2 latents
+        with torch.no_grad():
+            embeds, mask, pad = pipe.encode_prompt("", image=plan.dataset.load(row).reference_images)
+        assert mask is None and torch.equal(own["image_pad_mask"], pad[0])
+        torch.testing.assert_close(own["prompt_embeds"], embeds[0], rtol=1e-5, atol=1e-5)
+
+
+def test_caption_dropout_trains_each_edit_row_on_its_own_empty_prompt(run, monkeypatch):
+    """Every caption dropped: edit rows train on their own empty prompt (slots for their references), the
+    text-to-image row on the shared one; the DiT is handed exactly those tensors."""
+    from diffsynth_core.models import qwen_image21
+    from diffsynth_core.training import loop
+    from diffsynth_core.training.batching import with_empty_prompt
+
+    cfg, _, _, config = run
+    cfg = config("train.caption_dropout=1.0", "train.max_steps=4", f"output.path={cfg.output_dir.parent / 'drop'}")
+    preprocess.run(cfg)
+    plan, store = make_plan(cfg), open_cache(cfg.cache_url, mode="r")
+    own = {row: _prompt_side(store.get(key)) for row, key in plan.empty_keys.items()}
+    shared = _prompt_side(train.load_empty_prompt(cfg, store, plan.text_fingerprint))
+    swapped, fed = [], []
+    monkeypatch.setattr(loop, "with_empty_prompt", lambda entry, empty: swapped.append(
+        (entry["meta"]["row"], empty)) or with_empty_prompt(entry, empty))
+    forward = qwen_image21._forward_group
+    monkeypatch.setattr(qwen_image21, "_forward_group", lambda transformer, latents, sigmas, cond, refs, length: (
+        fed.extend(cond["prompt_embeds"][:, :length]) or forward(transformer, latents, sigmas, cond, refs, length)))
+    assert train.run(cfg).steps == 4
+    assert {row for row, _ in swapped} == {0, 1, 2} and len(swapped) == len(fed) >= 4  # every sample dropped
+    for row, empty in swapped:
+        expected = own.get(row, shared)
+        assert all(torch.equal(empty[k], expected[k]) for k in expected), row
+    used = [[torch.equal(embeds, p["prompt_embeds"]) for p in (own[0], own[1], shared)] for embeds in fed]
+    assert all(sum(match) == 1 for match in used) and all(map(any, zip(*used)))  # each fed prompt is one of the three
+
+
+def test_a_cache_encoded_without_dropout_is_refused_before_training_and_completed_by_preprocess(run, tmp_path):
+    """caption_dropout turned on after stage 1: training stops before its first step, one line naming
+    preprocess (exit code 2); preprocess then encodes only the edit rows' empty prompts."""
+    from diffsynth_core.errors import exit_code_of
+    from stages.status import work_left
+
+    _, _, _, config = run
+    paths = [f"cache.url={tmp_path / 'cache.zarr'}", f"output.path={tmp_path / 'out'}"]
+    preprocess.run(config(*paths))
+    cfg = config(*paths, "train.caption_dropout=0.3")
+    with pytest.raises(Exception) as refused:
+        train.run(cfg)
+    message = str(refused.value)
+    assert exit_code_of(refused.value) == 2 and "\n" not in message
+    assert "train.caption_dropout" in message and "2 rows" in message and "splitflow preprocess" in message
+    assert not (cfg.output_dir / "metrics.csv").exists() and not (cfg.output_dir / "checkpoints").exists()
+    assert work_left(cfg).parts == [0]  # what `splitflow status` and `run` read: part 0 holds those rows
+    summary = preprocess.run(cfg)
+    assert (summary.encoded, summary.reused, summary.empty_prompts, summary.complete) == (0, 3, 2, True)
+    assert work_left(cfg).parts == []
+    assert "2 empty prompts" in summary.describe()
+
+
 def test_a_musubi_toml_with_control_directory_gives_rgba_controls_in_order(tmp_path):
     """musubi-tuner's Qwen-Image-2.1 dataset: same-stem controls (name_0, name_1) in their order, at multiples
     of 32, RGBA for the VAE (RGB files opaque) and the same pixels over white for the vision tower."""

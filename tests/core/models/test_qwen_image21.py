@@ -77,7 +77,7 @@ def test_a_reference_the_processor_would_resize_is_refused_in_one_line(component
 
 
 def test_an_edit_whose_prompt_holds_no_slots_for_its_references_is_refused(components):
-    """What caption dropout would train: the empty text prompt beside an edit's reference latents."""
+    """A prompt encoded without its references (the shared empty prompt, say) beside an edit's reference latents."""
     batch = _entries(components, [("", None)])
     latents = batch.pop("latents")
     with pytest.raises(InputError, match="holds 0 image slots but its 1 reference latents need 2"):
