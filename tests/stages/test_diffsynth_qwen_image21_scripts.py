@@ -5,7 +5,7 @@ processor}).
 
 The flags are those of examples/qwen_image_21/model_training/lora/Qwen-Image-2.1.sh, unchanged: its
 text-to-image command, and its edit block (commented out there: the Qwen-Image-Edit-2511 example dataset,
-``--data_file_keys "image,edit_image" --extra_inputs "edit_image"``).  Flags appended at the end cut repeats,
+``--data_file_keys "image,edit_image" --extra_inputs "edit_image"``), each through both stages.  Flags appended at the end cut repeats,
 epochs and sizes to fit CI (the last one wins, as with DiffSynth's argparse).  ``--lora_target_modules ""``
 is DiffSynth's auto-detection, which at the released width takes every block Linear: the family's defaults.
 """
@@ -100,3 +100,25 @@ def test_the_scripts_edit_block_reads_rgba_references_the_vision_tower_sees_at_t
     assert sample.pixels.shape[0] == 4 and len(sample.references) == 1 and sample.references[0].shape[0] == 4
     reference, image = sample.references[0], sample.reference_images[0]
     assert image.mode == "RGB" and (image.height, image.width) == tuple(reference.shape[-2:])
+
+
+def test_the_scripts_edit_block_runs_through_both_stages(tmp_path, monkeypatch):
+    """The edit block run as `splitflow run` runs it: each cached row holds its reference latents and a prompt
+    with one image slot per 2x2 of them, and the LoRA trains on every row (one step a row)."""
+    from cache_store import open_cache
+
+    tiny = get_family("qwen_image21").save_tiny_model(tmp_path / "tiny", 0)
+    cwd = _workdir(tmp_path / "edit", tiny, "edit")
+    monkeypatch.chdir(cwd)
+    monkeypatch.delenv("DIFFSYNTH_MODEL_BASE_PATH", raising=False)
+    cfg, done = run_script([*_script("edit"), *CUTS, "--set", SMALL_REFERENCES])
+    assert done["preprocess"].encoded == 2 and done["train"].steps == 2
+    store = open_cache(cfg.cache_url, mode="r")
+    rows = [key for key in store.keys() if "prompt_embeds" in store.shapes(key)]  # not the target latents' entries
+    assert len(rows) == 2
+    for key in rows:
+        refs = store.shapes(key)["ref_latents_0"]
+        assert int(store.get(key)["image_pad_mask"].sum()) == refs[-2] * refs[-1] // 4 > 0, key
+    output = cwd / "models/train/Qwen-Image-2.1_lora"
+    assert (output / "lora.safetensors").is_file()
+    assert len((output / "metrics.csv").read_text().splitlines()) == 3
