@@ -6,11 +6,10 @@ with the releases' block counts, since the scripts name every single block's att
 The flags are those of examples/flux2/model_training/lora/FLUX.2-klein-4B.sh, FLUX.2-klein-base-9B.sh and
 FLUX.2-dev.sh, unchanged; flags appended at the end cut repeats, epochs and sizes to fit CI (the last one wins,
 as with DiffSynth's argparse).  FLUX.2-dev.sh is a split run: its first command (`--task sft:data_process`)
-names only the encoders, Mistral tells the variant; its second trains from that cache.  FLUX.2-klein-4B.sh and
-FLUX.2-dev.sh run through both stages; FLUX.2-klein-base-9B.sh, whose run is klein-4B's code path
-on other files, is resolved as `splitflow run` resolves it (family, variant, sources from two releases, its 24
-single blocks' targets on the DiT) to keep the test's cost down.  The variants come from the model ids: klein-4B's
-run logs the reference's recommendation for a distilled model, dev's does not.
+names only the encoders, Mistral tells the variant; its second trains from that cache.  All three run through
+both stages; FLUX.2-klein-base-9B.sh is also checked as `splitflow run` resolves it (family, variant, sources
+from two releases, its 24 single blocks' targets on the DiT).  The variants come from the model ids: klein-4B's
+run logs the reference's recommendation for a distilled model, the base and dev runs do not.
 """
 
 from __future__ import annotations
@@ -62,9 +61,9 @@ def _dev(task: str) -> list[str]:
             "--lora_rank", "32", "--use_gradient_checkpointing", "--dataset_num_workers", "8", "--task", task]
 
 
-SCRIPTS = {"klein-4b": [_klein("FLUX.2-klein-4B", "FLUX.2-klein-4B", 20)],
-           "dev": [_dev("sft:data_process"), _dev("sft:train")]}
 BASE_9B = _klein("FLUX.2-klein-base-9B", "FLUX.2-klein-9B", 24)
+SCRIPTS = {"klein-4b": [_klein("FLUX.2-klein-4B", "FLUX.2-klein-4B", 20)], "klein-base-9b": [BASE_9B],
+           "dev": [_dev("sft:data_process"), _dev("sft:train")]}
 CUTS = ["--dataset_repeat", "1", "--num_epochs", "1", "--max_pixels", "4096"]
 NOTICE = "is step-distilled"
 BLOCK_MODULES = {"attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
@@ -90,9 +89,10 @@ def _resolved_in_process(cwd: Path, monkeypatch) -> None:
 
 def test_diffsynth_flux2_scripts_run_unchanged(released_models, tmp_path, monkeypatch, caplog):
     monkeypatch.delenv("DIFFSYNTH_MODEL_BASE_PATH", raising=False)
-    _resolved_in_process(_workdir(released_models("flux2"), tmp_path / "klein-base-9b", BASE_9B), monkeypatch)
     for variant, commands in SCRIPTS.items():
         cwd = _workdir(released_models("flux2"), tmp_path / variant, commands[0])
+        if variant == "klein-base-9b":  # its sources come from two releases
+            _resolved_in_process(cwd, monkeypatch)
         monkeypatch.chdir(cwd)
         caplog.clear()
         with caplog.at_level(logging.WARNING):
@@ -108,5 +108,5 @@ def test_diffsynth_flux2_scripts_run_unchanged(released_models, tmp_path, monkey
                 if m.startswith("transformer_blocks.0.")} == BLOCK_MODULES, variant
         config = tomllib.loads((output / "config.toml").read_text())
         assert config["model"]["family"] == "flux2" and not config["model"]["path"]
-        release = {"klein-4b": "FLUX.2-klein-4B", "dev": "FLUX.2-dev"}
+        release = {"klein-4b": "FLUX.2-klein-4B", "klein-base-9b": "FLUX.2-klein-base-9B", "dev": "FLUX.2-dev"}
         assert all(f"/{BFL}/{release[variant]}/" in p for p in config["model"]["sources"]["transformer"])
