@@ -100,10 +100,15 @@ class PeakSampler:
         return self.peak / GB if self._nvml else None
 
 
+def _status_bytes(name: str) -> int:
+    """One memory line of /proc/self/status (``RssAnon``, ``RssFile``...), in bytes."""
+    line = next(l for l in open("/proc/self/status") if l.startswith(f"{name}:"))
+    return int(line.split()[1]) * 1024
+
+
 def host_peak_gb() -> float:
     """This process's resident-set high-water mark (VmHWM)."""
-    line = next(l for l in open("/proc/self/status") if l.startswith("VmHWM:"))
-    return int(line.split()[1]) * 1024 / GB
+    return _status_bytes("VmHWM") / GB
 
 
 DEVICE: list[str] = []  # "--device X" for every worker (set by main)
@@ -652,10 +657,8 @@ class HostSampler:
                 return
 
     def _read(self):
-        for line in open("/proc/self/status"):
-            name = line.split(":")[0]
-            if name in self.peak:
-                self.peak[name] = max(self.peak[name], int(line.split()[1]) * 1024)
+        for name in self.peak:
+            self.peak[name] = max(self.peak[name], _status_bytes(name))
 
     def stop(self) -> dict:
         self._stop.set()
@@ -670,8 +673,7 @@ def host_ram_worker(a) -> dict:
     from diffsynth_core.models.loading import load_component
     from diffsynth_core.offload import OffloadTrainingManager
 
-    sampler = HostSampler()
-    before = sampler.stop()["rssanon_peak_gb"]  # the interpreter and its libraries
+    before = _status_bytes("RssAnon") / GB  # the interpreter and its libraries
     sampler = HostSampler()
     model = load_component(Path(a.out_dir), "transformer", torch.bfloat16).requires_grad_(False)
     dit_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -695,8 +697,7 @@ def case_host_ram(a) -> dict:
     with bf16 and with fp8 storage, each in its own process: the host peak of the path a user's run takes."""
     import importlib
 
-    family, _, released, depth_keys = LAYOUTS[a.layout]
-    module = importlib.import_module(f"diffsynth_core.models.{family}")
+    module = importlib.import_module(f"diffsynth_core.models.{LAYOUTS[a.layout][0]}")
     folder = Path(tempfile.mkdtemp(prefix="host-ram-"))
     try:
         made_on = torch.device("cuda" if torch.cuda.is_available() and a.device == "cuda" else "cpu")

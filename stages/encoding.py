@@ -309,6 +309,7 @@ def _encode_batches(cfg: RunConfig, plan, store, rows: list[int], encoders: Enco
             needs = _batch_needs(plan, store, samples)
             for (row, sample), (latents, entry, empty) in zip(samples, _encode_batch(encoders, samples, needs,
                                                                                        tiles, options)):
+                written = done.rows + done.empty_prompts
                 if latents is not None:  # first, so a committed row always finds its latents
                     store.put(plan.latent_keys[row], latents)
                     done.latents += 1
@@ -320,7 +321,8 @@ def _encode_batches(cfg: RunConfig, plan, store, rows: list[int], encoders: Enco
                     done.rows += 1
                     if entry["meta"].get("prompt_tokens", 0) > entry["meta"].get("prompt_tokens_kept", 0):
                         done.truncated.append((row, entry["meta"]["prompt_tokens_kept"]))
-                if (done.rows + done.empty_prompts) % p.commit_every == 0:
+                # a row may write two entries: commit whenever the count passes a multiple, not only lands on one
+                if (done.rows + done.empty_prompts) // p.commit_every > written // p.commit_every:
                     store.commit()
             progress.update(len(batch))
     store.commit()
@@ -345,7 +347,7 @@ def _batch_needs(plan, store, samples: list) -> _Needs:
         needs.latents.append(not store.has(latent_key) and latent_key not in in_batch)
         needs.entries.append(not (store.has(plan.keys[row]) and store.has(latent_key)))
         needs.empty.append(empty_key is not None and not store.has(empty_key) and empty_key not in in_batch)
-        in_batch.update((latent_key, empty_key))
+        in_batch.update(k for k in (latent_key, empty_key) if k is not None)
     return needs
 
 

@@ -110,7 +110,8 @@ def _run_part(cfg: RunConfig, part: int | None, writer: str, lock) -> CacheSumma
     todo = [row for row in rows if not (store.has(plan.keys[row]) and store.has(plan.latent_keys[row]))]
     summary = CacheSummary(store.url, part, parts, len(rows), 0, len(rows) - len(todo))
     # Rows cached without their own empty prompt (encoded with caption dropout off): only that is encoded.
-    todo += [row for row in rows if row in plan.empty_keys and not store.has(plan.empty_keys[row]) and row not in todo]
+    pending = set(todo)
+    todo += [row for row in rows if row in plan.empty_keys and not store.has(plan.empty_keys[row]) and row not in pending]
     empty_key = empty_prompt_key(cfg, plan.text_fingerprint)
     if part not in (None, 0) or store.has(empty_key):
         empty_key = None  # part 0 (or the only writer) encodes it, once per cache
