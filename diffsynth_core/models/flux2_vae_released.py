@@ -28,6 +28,8 @@ import torch
 from .released import ReleasedFormat, count_indices
 from .weight_files import Shapes, StateDict
 
+RELEASED_LATENT_CHANNELS = 32  # black-forest-labs/FLUX.2-dev vae/config.json (FLUX.1's VAE: 16)
+
 # The release's facts that are not in the weights' shapes (black-forest-labs/FLUX.2-dev vae/config.json;
 # BFL's autoencoder.py: bn_eps 1e-4, bn_momentum 0.1, GroupNorm(32)).
 VAE_FACTS = dict(act_fn="silu", norm_num_groups=32, sample_size=1024, batch_norm_eps=1e-4, batch_norm_momentum=0.1,
@@ -102,10 +104,10 @@ def diffusers_name(key: str, up_levels: int) -> str:
 
 
 def _prefix(keys) -> str | None:
+    """The prefix every key carries ("" or ``PREFIXES``) in a file of BFL / ComfyUI VAE names."""
     keys = list(keys)
     for prefix in ("",) + PREFIXES:
-        if all(k.startswith(prefix) for k in keys) and prefix + "bn.running_mean" in keys and \
-                prefix + "encoder.down.0.block.0.conv1.weight" in keys:
+        if all(k.startswith(prefix) for k in keys) and prefix + "encoder.down.0.block.0.conv1.weight" in keys:
             return prefix
     return None
 
@@ -149,11 +151,16 @@ def _diffusers_shapes(s: Shapes) -> Shapes:
 
 def _is_bfl_vae(s: Shapes) -> bool:
     """BFL / ComfyUI names, and the shapes of a 2x2-patchified latent batch norm: ``bn`` holds p*p times the
-    latent channels (half of ``encoder.conv_out``'s outputs: mean and log-variance)."""
+    latent channels (half of ``encoder.conv_out``'s outputs: mean and log-variance).  A file lacking one of
+    the two is still taken when the other says FLUX.2 (its batch norm, or the release's 32 latent channels
+    where FLUX.1's ``ae.safetensors`` has 16), so the load names the missing key rather than not knowing
+    the file."""
     prefix = _prefix(s)
     if prefix is None:
         return False
-    moments, features = s.get(prefix + "encoder.conv_out.weight", (0,))[0], s[prefix + "bn.running_mean"]
+    moments, features = s.get(prefix + "encoder.conv_out.weight", (0,))[0], s.get(prefix + "bn.running_mean")
+    if features is None or moments == 0:
+        return features is not None or moments == 2 * RELEASED_LATENT_CHANNELS
     if moments < 2 or moments % 2 or len(features) != 1 or features[0] % (moments // 2):
         return False
     patch = round((features[0] // (moments // 2)) ** 0.5)

@@ -119,6 +119,26 @@ def test_a_missing_or_misshapen_tensor_is_one_line_naming_file_and_key(tmp_path,
     assert error.value.exit_code == 2
 
 
+@pytest.mark.parametrize("file_key", ["bn.running_mean", "encoder.conv_out.weight"])
+def test_a_file_lacking_what_tells_flux2_apart_is_still_taken_and_the_key_named(tmp_path, file_key):
+    """The batch norm and ``encoder.conv_out`` tell FLUX.2's VAE from FLUX.1's (same BFL names): a file
+    lacking either is taken by the other (the release's 32 latent channels, or the batch norm), so the one
+    line names the missing key instead of saying no family knows the file."""
+    from diffusers import AutoencoderKLFlux2
+
+    vae = AutoencoderKLFlux2(block_out_channels=[32, 32], latent_channels=32, layers_per_block=1,
+                             down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2)
+    names = bfl_vae_names(vae.state_dict())
+    del names[file_key]
+    path = tmp_path / "ae.safetensors"
+    save_file(names, str(path))
+    with pytest.raises(InputError) as error:
+        released.load_named(get_family("flux2").released_formats, "vae", [path], torch.float32)
+    message = str(error.value)
+    assert str(path) in message and file_key in message and "\n" not in message
+    assert error.value.exit_code == 2
+
+
 def test_model_sources_vae_takes_the_file_through_stage_one(released_models, tmp_path):
     """Stage 1's loader with the text encoder from the klein folder and the VAE from BFL's single file: the
     latents are the folder VAE's."""
