@@ -14,7 +14,7 @@ import os
 import pickle
 import types
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -87,42 +87,73 @@ def _tensor_fields(data: Any, where: str) -> dict[str, Any]:
     return merged
 
 
+def _tensor_list(value: Any) -> bool:
+    """A non-empty list of tensors: what some units cache (Z-Image's per-prompt embeddings, edit latents)."""
+    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, torch.Tensor) for v in value)
+
+
 def tensor_names(data: Any, where: str = "DiffSynth cache file") -> set[str]:
-    """Names of the tensors in the shared and positive inputs of one cached sample."""
-    return {k for k, v in _tensor_fields(data, where).items() if isinstance(v, torch.Tensor)}
+    """Names of the tensors (or lists of tensors) in the shared and positive inputs of one cached sample."""
+    return {k for k, v in _tensor_fields(data, where).items() if isinstance(v, torch.Tensor) or _tensor_list(v)}
+
+
+def _squeezed(t: torch.Tensor, squeeze_batch: bool) -> torch.Tensor:
+    return (t[0] if squeeze_batch and t.dim() > 0 and t.shape[0] == 1 else t).contiguous()
+
+
+def _listed(name: str, value: list, target: str, where: str) -> dict[str, torch.Tensor]:
+    """A list of tensors as entry fields.  ``<target>`` holding ``{i}``: one batch-of-one tensor per item
+    (the edit pipelines' ``edit_latents`` -> ``ref_latents_0`` ...).  Otherwise the list is DiffSynth's batch
+    of one sample as a list (Z-Image's ``prompt_embeds``): its one item, which has no batch dim."""
+    if "{i}" in target:
+        return {target.format(i=i): _squeezed(t, True) for i, t in enumerate(value)}
+    if len(value) != 1:
+        raise CacheFormatError(f"{where}: {name!r} holds {len(value)} tensors where one sample's one is expected "
+                               "(a data_process batch of several samples?)")
+    return {target: value[0].contiguous()}
 
 
 def diffsynth_entry(data: Any, where: str, rename: dict[str, str] | None = None,
                     drop: tuple[str, ...] = DEFAULT_DROP, squeeze_batch: bool = True,
-                    only_renamed: bool = False) -> Entry:
+                    only_renamed: bool = False, masks: Mapping[str, str] | None = None) -> Entry:
     """Map ``(inputs_shared, inputs_posi, inputs_nega)`` to a splitflow entry.
 
     Tensors of the shared and positive inputs become fields (renamed to splitflow's names, the
-    leading batch dim of 1 removed); with ``only_renamed`` just the renamed ones, each required.
-    Plain values go to ``meta``.  ``latents`` always get the frame axis splitflow caches
-    (``(C, F, h, w)``): DiffSynth's image pipelines cache ``(1, C, h, w)``.
+    leading batch dim of 1 removed); with ``only_renamed`` just the renamed ones, each required but
+    those renamed to ``<name>_{i}`` (one field per item of a list, absent from rows without it).
+    Plain values go to ``meta``.  Latents (target and references) always get the frame axis splitflow
+    caches (``(C, F, h, w)``): DiffSynth's image pipelines cache ``(1, C, h, w)``.  ``masks`` (a padded
+    field -> its mask): a mask the file lacks is all ones over the field's tokens, as DiffSynth keeps a
+    prompt's own tokens only (one sample a file: nothing padded; Qwen-Image-2.1 stores None then).
     """
     rename = DEFAULT_RENAME if rename is None else rename
     fields = _tensor_fields(data, where)
-    missing = sorted(k for k in rename if only_renamed and not isinstance(fields.get(k), torch.Tensor))
+    missing = sorted(k for k, target in rename.items() if only_renamed and "{i}" not in target
+                     and not (isinstance(fields.get(k), torch.Tensor) or _tensor_list(fields.get(k))))
     if missing:
         raise CacheFormatError(f"{where}: no tensor {missing[0]!r} (expected {', '.join(rename)}); "
                                "is it a cache of another model family?")
     entry: Entry = {}
     meta: dict[str, Any] = {"source": where, "dropped": []}
     for name, value in fields.items():
-        if isinstance(value, torch.Tensor) and name not in drop and (name in rename or not only_renamed):
-            t = value[0] if squeeze_batch and value.dim() > 0 and value.shape[0] == 1 else value
-            entry[rename.get(name, name)] = t.contiguous()
+        if isinstance(value, torch.Tensor) and "{i}" in rename.get(name, ""):  # one item: Qwen-Image-Edit v1
+            entry.update(_listed(name, [value], rename[name], where))
+        elif isinstance(value, torch.Tensor) and name not in drop and (name in rename or not only_renamed):
+            entry[rename.get(name, name)] = _squeezed(value, squeeze_batch)
+        elif _tensor_list(value) and name in rename:
+            entry.update(_listed(name, value, rename[name], where))
         elif value is None or isinstance(value, (bool, int, float, str)):
             meta[name] = value
         elif name not in drop:
             meta["dropped"].append(name)  # PIL images, devices, tensors no stage-2 forward reads ...
     if not any(isinstance(v, torch.Tensor) for v in entry.values()):
         raise CacheFormatError(f"{where}: holds no tensors")
-    latents = entry.get("latents")
-    if isinstance(latents, torch.Tensor) and latents.dim() == 3:
-        entry["latents"] = latents[:, None]
+    for name, t in list(entry.items()):
+        if (name == "latents" or name.startswith("ref_latents_")) and t.dim() == 3:
+            entry[name] = t[:, None]
+    for name, mask in (masks or {}).items():
+        if isinstance(entry.get(name), torch.Tensor) and mask not in entry:
+            entry[mask] = torch.ones(entry[name].shape[0], dtype=torch.long)
     entry["meta"] = meta
     return entry
 
@@ -151,12 +182,12 @@ def import_diffsynth_cache(src: str | os.PathLike, dest_url: str, *, backend: st
                            fingerprint: str = "diffsynth-import", rename: dict[str, str] | None = None,
                            drop: tuple[str, ...] = DEFAULT_DROP, commit_every: int = 256,
                            storage_options: dict | None = None, only_renamed: bool = False,
-                           family: str | None = None) -> dict[str, Any]:
+                           family: str | None = None, masks: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Copy every ``<rank>/<i>.pth`` under ``src`` into the cache at ``dest_url``.
 
     Keys hash each file's bytes, so re-running skips what was imported; the dataset keys are
     all imported entries in (rank, index) order.  A bad file stops the import with an error
-    naming it; everything committed before stays intact.  ``rename``/``only_renamed``: see
+    naming it; everything committed before stays intact.  ``rename``/``only_renamed``/``masks``: see
     :func:`diffsynth_entry`; ``family`` is recorded in the cache (checked against training
     configs).  Returns a summary dict.
     """
@@ -166,12 +197,13 @@ def import_diffsynth_cache(src: str | os.PathLike, dest_url: str, *, backend: st
     keys, imported = [], 0
     for path in files:
         key = entry_key({"diffsynth_file": f"{path.parent.name}/{path.name}"}, [path],
-                        {"rename": rename, "only_renamed": only_renamed})
+                        {"rename": rename, "only_renamed": only_renamed, **({"masks": masks} if masks else {})})
         keys.append(key)
         if store.has(key):
             continue
         where = f"{path.parent.name}/{path.name}"
-        store.put(key, diffsynth_entry(load_diffsynth_file(path), where, rename, drop, only_renamed=only_renamed))
+        store.put(key, diffsynth_entry(load_diffsynth_file(path), where, rename, drop, only_renamed=only_renamed,
+                                       masks=masks))
         imported += 1
         if imported % commit_every == 0:
             store.commit()

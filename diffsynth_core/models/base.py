@@ -150,7 +150,8 @@ class FamilySpec:
     # Extra, family-specific notes (e.g. default guidance); never read by engines.
     extras: Mapping[str, Any] = field(default_factory=dict)
     # DiffSynth-Studio's cached pipeline inputs -> our cache entry names (``splitflow cache import``):
-    # what its ``sft:data_process`` task pickles for this family, read from its pipeline units.
+    # what its ``sft:data_process`` task pickles for this family, read from its pipeline units.  A name
+    # with ``{i}`` takes a list, one field per item (``"ref_latents_{i}"``: an edit row's references).
     diffsynth_cache_fields: Mapping[str, str] = field(default_factory=dict)
     # --- without weights: benchmarks and tests -------------------------------------------------
     # DiT layouts build_transformer knows: "tiny" plus released ones ("Qwen-Image", "FLUX.1-dev", ...).

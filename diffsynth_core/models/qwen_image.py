@@ -299,9 +299,10 @@ def export_lora(peft_state_dict: dict[str, torch.Tensor], lora_config: dict[str,
 
 
 # diffsynth/pipelines/qwen_image.py: InputImageEmbedder -> input_latents (1, 16, h, w), PromptEmbedder ->
-# prompt_emb (1, L, 3584) and prompt_emb_mask (1, L).
+# prompt_emb (1, L, 3584) and prompt_emb_mask (1, L); on the edit models' rows EditImageEmbedder ->
+# edit_latents, one (1, 16, h, w) tensor (Edit v1) or a list of them (2509, 2511): our ref_latents_<i>.
 DIFFSYNTH_CACHE_FIELDS = {"input_latents": "latents", "prompt_emb": "prompt_embeds",
-                          "prompt_emb_mask": "prompt_embeds_mask"}
+                          "prompt_emb_mask": "prompt_embeds_mask", "edit_latents": "ref_latents_{i}"}
 
 
 # The edit variants (Edit v1, 2509, 2511) replace these fields; imported here, once everything

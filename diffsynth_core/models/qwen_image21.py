@@ -389,11 +389,12 @@ def export_lora(peft_state_dict: dict[str, torch.Tensor], lora_config: dict[str,
         comfyui_name=str, diffsynth_layout=lora_export.renamed(str))
 
 
-# DiffSynth's diffsynth/pipelines/qwen_image_21.py: InputImageEmbedder -> input_latents (1, 64, h, w);
-# PromptEmbedder -> prompt_embeds, edit_image_pad_mask, and prompt_embeds_mask, None when unpadded (so not
-# required here).  Names only: no test imports such a cache yet; its edit_latents (a list) are not imported.
+# DiffSynth's diffsynth/pipelines/qwen_image_21.py (wheel 2.1.12): InputImageEmbedder -> input_latents
+# (1, 64, h, w); EditImageEmbedder -> edit_latents, a list of (1, 64, h_i, w_i), on edit rows only;
+# PromptEmbedder -> prompt_embeds (1, L, D), edit_image_pad_mask (1, L), and prompt_embeds_mask, None at one
+# sample a file (the import fills it with ones, batch_padding's mask).  Same VAE normalisation as ours.
 DIFFSYNTH_CACHE_FIELDS = {"input_latents": "latents", "prompt_embeds": "prompt_embeds",
-                          "edit_image_pad_mask": "image_pad_mask"}
+                          "edit_image_pad_mask": "image_pad_mask", "edit_latents": "ref_latents_{i}"}
 
 # DiffSynth's 2.1 LoRA recipe (examples/qwen_image_21/model_training/lora/Qwen-Image-2.1.sh) gives
 # --lora_target_modules "": its auto-detection (diffsynth/diffusion/training_module.py) then takes every

@@ -317,9 +317,9 @@ def export_lora(peft_state_dict: dict[str, torch.Tensor], lora_config: dict[str,
         comfyui_name=lambda module: "diffusion_model." + module, diffsynth_layout=lora_export.renamed(str))
 
 
-# diffsynth/pipelines/z_image.py: ZImageUnit_InputImageEmbedder -> input_latents (1, 16, h, w),
-# ZImageUnit_PromptEmbedder -> prompt_embeds (a list of (L, 2560) tensors).  Names only: no test imports such a
-# cache yet, and its list-valued prompt_embeds (no mask) may need a conversion there.
+# diffsynth/pipelines/z_image.py: ZImageUnit_InputImageEmbedder -> input_latents (1, 16, h, w), FLUX.1's VAE
+# normalised as ours (models/flux_vae.py: mode, (z - shift) * scale); ZImageUnit_PromptEmbedder ->
+# prompt_embeds, a list of one (L, 2560) tensor (the prompt's own tokens: the import fills the mask with ones).
 DIFFSYNTH_CACHE_FIELDS = {"input_latents": "latents", "prompt_embeds": "prompt_embeds"}
 
 

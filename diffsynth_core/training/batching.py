@@ -81,6 +81,13 @@ def stack_entries(entries: Sequence[Mapping[str, Any]], padding: Mapping[str, st
         tensors = [_field(entry, name, i) for i, entry in enumerate(entries)]
         if name in padded:
             longest = max(t.shape[0] for t in tensors)
+            mask = padding.get(name)
+            if mask is not None and mask not in names and any(t.shape[0] != longest for t in tensors):
+                # padding without a mask would feed the zeros to the DiT as prompt tokens
+                meta = entries[0].get("meta") or {}
+                first = f"row {meta['row']}" if "row" in meta else meta.get("source", "?")
+                raise InputError(f"cache entries of different {name!r} lengths hold no {mask!r} to pad them with "
+                                 f"(the batch of {first}); re-import or re-run preprocess, or set train.batch_size = 1")
             tensors = [_pad_to(t, longest) for t in tensors]
         elif len({t.shape for t in tensors}) > 1:
             shapes = sorted({tuple(t.shape) for t in tensors})

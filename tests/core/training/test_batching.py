@@ -75,6 +75,9 @@ def test_collate_pads_prompts_with_their_mask_and_refuses_unpadded_ragged_tensor
     assert batch["prompt_embeds"][0, 2:].abs().sum() == 0 and "meta" not in batch
     with pytest.raises(InputError, match="prompt_embeds"):
         collate(samples[:2], {}, torch.device("cpu"), torch.float32)
+    unmasked = [{k: v for k, v in s.items() if k != "prompt_mask"} for s in samples]  # zeros would read as tokens
+    with pytest.raises(InputError, match="different 'prompt_embeds' lengths hold no 'prompt_mask'"):
+        collate(unmasked, {"prompt_embeds": "prompt_mask"}, torch.device("cpu"), torch.float32)
     assert latent_shapes(mixed_toy_samples(3)) == [(4, 4, 4), (4, 4, 6), (4, 4, 4)]
 
 
