@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from cache_store import AUX_PREFIX, IncompleteCacheError, entry_key, fingerprint_of, open_cache
 from cache_store.opener import check_identity
 from diffsynth_core.data import SampleDataset
+from diffsynth_core.errors import InputError
 from diffsynth_core.models import FamilySpec, check_model_folder
 
 from .common import encoder_identity, family_of
@@ -238,7 +239,9 @@ def training_set(cfg: RunConfig) -> TrainingSet:
     if plan is None:
         log.warning("cache %s was imported (%s): its encoders cannot be checked against %s; training on "
                     "the keys recorded at import", store.url, store.fingerprint, cfg.model.path)
-        return TrainingSet(store, store.require_complete(allow_partial=cfg.cache.allow_partial), None, None)
+        keys = store.require_complete(allow_partial=cfg.cache.allow_partial)
+        _check_imported_references(cfg, store, keys)
+        return TrainingSet(store, keys, None, None)
     found = needs(plan, store, cfg.dataset.skip_bad_samples)
     if found.missing and not cfg.cache.allow_partial:
         raise IncompleteCacheError(_missing_message(store.url, plan, found, store, cfg.dataset.skip_bad_samples))
@@ -249,6 +252,23 @@ def training_set(cfg: RunConfig) -> TrainingSet:
         raise IncompleteCacheError(f"cache {store.url} holds none of the {found.rows} rows this config "
                                    "trains on; run `splitflow preprocess CONFIG`")
     return TrainingSet(store, found.train, found.latents, plan, found.empty, found.empty_missing)
+
+
+def _check_imported_references(cfg: RunConfig, store, keys: list[str]) -> None:
+    """An imported edit row (reference latents) trains only a model that takes that many references: a
+    text-to-image DiT would train on its references as extra image tokens, with no error.  Shapes come from
+    the cache's manifest; no tensor is read."""
+    spec = family_of(cfg)
+    rule = spec.references
+    for key in keys:
+        count = sum(name.startswith("ref_latents_") for name in store.shapes(key))
+        allowed = 0 if rule is None else (rule.max_count if rule.max_count is not None else count)
+        if count > allowed:
+            source = (store.get(key).get("meta") or {}).get("source", key)
+            model = f"{spec.name} ({spec.variant})" if spec.variant else spec.name
+            raise InputError(f"cache {store.url}: {source} holds {count} reference latents (an edit row) but "
+                             f"{model} takes {allowed}; set model.variant (or model.path) to the edit model the "
+                             "cache was made for")
 
 
 def completeness(store, found: Needs | None) -> dict:

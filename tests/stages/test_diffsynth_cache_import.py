@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from cache_store import CacheFormatError, open_cache
+from diffsynth_core.errors import InputError
 from diffsynth_core.models import get_family
 from stages import train
 from stages.compat.diffsynth_cache import import_cache
@@ -238,6 +239,16 @@ def test_qwen_image_edit_rows_import_with_their_reference_latents_and_train(vari
                         "output": {"path": str(tmp_path / "out"), "export_every": "end"}})
     result = train.run(cfg)
     assert result.steps == 2 and torch.isfinite(torch.tensor(result.final_loss))
+
+    # The text-to-image model (or Edit v1, for 2509's two references) would take the references as extra image
+    # tokens without a word: refused, naming the file and the variant to set.
+    other = "text-to-image" if variant == "edit" else "edit"
+    model = _transformer_only_model("qwen_image", tmp_path / other, None if other == "text-to-image" else other)
+    cfg = build_config({"model": {"family": "qwen_image", "path": str(model), "dtype": "float32"},
+                        "cache": {"url": str(tmp_path / "cache.zarr")}, "train": {"max_steps": 2, "device": "cpu"},
+                        "output": {"path": str(tmp_path / f"out-{other}")}})
+    with pytest.raises(InputError, match=r"0/0\.pth holds \d reference latents .* set model.variant"):
+        train.run(cfg)
 
 
 def _cli(*args):
