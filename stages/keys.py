@@ -239,9 +239,7 @@ def training_set(cfg: RunConfig) -> TrainingSet:
     if plan is None:
         log.warning("cache %s was imported (%s): its encoders cannot be checked against %s; training on "
                     "the keys recorded at import", store.url, store.fingerprint, cfg.model.path)
-        keys = store.require_complete(allow_partial=cfg.cache.allow_partial)
-        _check_imported_references(cfg, store, keys)
-        return TrainingSet(store, keys, None, None)
+        return TrainingSet(store, imported_training_keys(cfg, store), None, None)
     found = needs(plan, store, cfg.dataset.skip_bad_samples)
     if found.missing and not cfg.cache.allow_partial:
         raise IncompleteCacheError(_missing_message(store.url, plan, found, store, cfg.dataset.skip_bad_samples))
@@ -254,11 +252,12 @@ def training_set(cfg: RunConfig) -> TrainingSet:
     return TrainingSet(store, found.train, found.latents, plan, found.empty, found.empty_missing)
 
 
-def _check_imported_references(cfg: RunConfig, store, keys: list[str]) -> None:
-    """An imported edit row (reference latents) trains only a model that takes that many references: a
-    text-to-image DiT would train on its references as extra image tokens, with no error.  Shapes come from
-    the cache's manifest; no tensor is read."""
-    spec = family_of(cfg)
+def imported_training_keys(cfg: RunConfig, store, spec: FamilySpec | None = None) -> list[str]:
+    """An imported cache's keys to train on (those recorded at import).  Its edit rows (reference latents)
+    train only a model that takes that many references: a text-to-image DiT would train on them as extra
+    image tokens, with no error.  Shapes come from the cache's manifest; no tensor is read."""
+    keys = store.require_complete(allow_partial=cfg.cache.allow_partial)
+    spec = spec or family_of(cfg)
     rule = spec.references
     for key in keys:
         count = sum(name.startswith("ref_latents_") for name in store.shapes(key))
@@ -269,6 +268,7 @@ def _check_imported_references(cfg: RunConfig, store, keys: list[str]) -> None:
             raise InputError(f"cache {store.url}: {source} holds {count} reference latents (an edit row) but "
                              f"{model} takes {allowed}; set model.variant (or model.path) to the edit model the "
                              "cache was made for")
+    return keys
 
 
 def completeness(store, found: Needs | None) -> dict:

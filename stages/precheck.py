@@ -49,7 +49,7 @@ def check_inputs(cfg: RunConfig, stages: tuple[str, ...]) -> int | None:
         rows = _check_metadata(cfg, spec)
         _check_dataset_folder(cfg)
     if "preprocess" not in stages:
-        _check_cache_exists(cfg)
+        _check_cache(cfg, spec)
     _check_writable(cfg.output_dir, "output.path")
     if "preprocess" in stages and "://" not in cfg.cache_url:
         _check_writable(Path(cfg.cache_url), "cache.url")
@@ -131,13 +131,21 @@ def _check_metadata(cfg: RunConfig, spec) -> int:
     return len(open_dataset(cfg.dataset, spec))  # parses the metadata: a bad header or row is one line naming it
 
 
-def _check_cache_exists(cfg: RunConfig) -> None:
+def _check_cache(cfg: RunConfig, spec) -> None:
+    """The cache training reads: it exists; an imported one (nothing to derive its keys from) is of this
+    family and its rows fit the model (what the train stage checks again, where it runs)."""
+    from cache_store.opener import check_identity
+
+    from .keys import imported_training_keys, is_imported
     from .status import _open_existing
 
     store, why = _open_existing(cfg)
     if store is None:
         raise InputError(f"cache.url {cfg.cache_url} holds no cache yet ({why}): run `splitflow preprocess CONFIG` "
                          f"(or `splitflow run CONFIG`) first, or point cache.url at an existing cache")
+    if is_imported(store):
+        check_identity(store.url, (store.fingerprint, store.family), None, cfg.model.family)
+        imported_training_keys(cfg, store, spec)
 
 
 def _nearest_existing(path: Path) -> Path:

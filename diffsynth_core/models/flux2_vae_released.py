@@ -63,11 +63,12 @@ PREFIXES = ("first_stage_model.", "vae.")  # ComfyUI checkpoints; some merged fi
 _ROOT = {"encoder.quant_conv": "quant_conv", "quant_conv": "quant_conv",
          "decoder.post_quant_conv": "post_quant_conv", "post_quant_conv": "post_quant_conv",
          "encoder.norm_out": "encoder.conv_norm_out", "decoder.norm_out": "decoder.conv_norm_out"}
-_RESNET = {"norm1": "norm1", "conv1": "conv1", "norm2": "norm2", "conv2": "conv2", "nin_shortcut": "conv_shortcut"}
-_ATTENTION = {"norm": "group_norm", "q": "to_q", "k": "to_k", "v": "to_v", "proj_out": "to_out.0"}
+RESNET_NAMES = {"norm1": "norm1", "conv1": "conv1", "norm2": "norm2", "conv2": "conv2",
+                "nin_shortcut": "conv_shortcut"}
+ATTENTION_NAMES = {"norm": "group_norm", "q": "to_q", "k": "to_k", "v": "to_v", "proj_out": "to_out.0"}
 _MID = re.compile(r"^(encoder|decoder)\.mid\.(?:block_([12])\.(\w+)|attn_1\.(\w+))$")
 _LEVEL = re.compile(r"^(encoder\.down|decoder\.up)\.(\d+)\.(?:block\.(\d+)\.(\w+)|(downsample|upsample)\.conv)$")
-_ATTENTION_WEIGHT = re.compile(r"^(encoder|decoder)\.mid_block\.attentions\.0\.to_(q|k|v|out\.0)\.weight$")
+ATTENTION_WEIGHT = re.compile(r"^(encoder|decoder)\.mid_block\.attentions\.0\.to_(q|k|v|out\.0)\.weight$")
 BN_COUNTER = "bn.num_batches_tracked"
 
 
@@ -79,8 +80,10 @@ def _diffusers_module(module: str, up_levels: int) -> str | None:
     if match:
         side, block, part, attention = match.groups()
         if block is not None:
-            return f"{side}.mid_block.resnets.{int(block) - 1}.{_RESNET[part]}" if part in _RESNET else None
-        return f"{side}.mid_block.attentions.0.{_ATTENTION[attention]}" if attention in _ATTENTION else None
+            resnet = RESNET_NAMES.get(part)
+            return resnet and f"{side}.mid_block.resnets.{int(block) - 1}.{resnet}"
+        target = ATTENTION_NAMES.get(attention)
+        return target and f"{side}.mid_block.attentions.0.{target}"
     match = _LEVEL.match(module)
     if match is None:
         return None
@@ -91,7 +94,7 @@ def _diffusers_module(module: str, up_levels: int) -> str | None:
         prefix = f"decoder.up_blocks.{up_levels - 1 - int(level)}"
     if sampler is not None:
         return f"{prefix}.{sampler}rs.0.conv"
-    return f"{prefix}.resnets.{block}.{_RESNET[part]}" if part in _RESNET else None
+    return f"{prefix}.resnets.{block}.{RESNET_NAMES[part]}" if part in RESNET_NAMES else None
 
 
 def diffusers_name(key: str, up_levels: int) -> str:
@@ -121,7 +124,7 @@ def _renamed(items: dict, flatten) -> dict:
     out = {}
     for key, value in items.items():
         name = diffusers_name(key, up_levels)
-        out[name] = flatten(value) if _ATTENTION_WEIGHT.match(name) else value
+        out[name] = flatten(value) if ATTENTION_WEIGHT.match(name) else value
     return out
 
 
@@ -178,40 +181,3 @@ FORMATS = (
                    "FLUX.2 VAE single file (BFL ae.safetensors / ComfyUI flux2-vae.safetensors names)",
                    _is_bfl_vae, _bfl_vae_config, convert=bfl_vae_to_diffusers),
 )
-
-
-# --- diffusers names -> BFL / ComfyUI names (the test fixtures) ---------------------------------------
-
-_ROOT_BACK = {"quant_conv": "encoder.quant_conv", "post_quant_conv": "decoder.post_quant_conv",
-              "encoder.conv_norm_out": "encoder.norm_out", "decoder.conv_norm_out": "decoder.norm_out"}
-_COMFY_ROOT_BACK = {"quant_conv": "quant_conv", "post_quant_conv": "post_quant_conv"}
-
-
-def bfl_vae_names(state: StateDict, comfy: bool = False) -> StateDict:
-    """``AutoencoderKLFlux2`` weights under BFL's names (``comfy``: ComfyUI's, quant convs at the top),
-    attention weights as BFL's 1x1 convs.  The inverse of ``bfl_vae_to_diffusers``."""
-    up_levels = count_indices(state, "decoder.up_blocks.")
-    resnet = {v: k for k, v in _RESNET.items()}
-    attention = {v: k for k, v in _ATTENTION.items()}
-    roots = {**_ROOT_BACK, **(_COMFY_ROOT_BACK if comfy else {})}
-    out: StateDict = {}
-    for key, value in state.items():
-        module, _, param = key.rpartition(".")
-        parts = module.split(".")
-        if module in roots:
-            name = roots[module]
-        elif ".mid_block.resnets." in module:
-            name = f"{parts[0]}.mid.block_{int(parts[3]) + 1}.{resnet[parts[4]]}"
-        elif ".mid_block.attentions.0." in module:
-            name = f"{parts[0]}.mid.attn_1.{attention['.'.join(parts[4:])]}"
-            value = value[:, :, None, None] if _ATTENTION_WEIGHT.match(key) else value
-        elif module.startswith(("encoder.down_blocks.", "decoder.up_blocks.")):
-            level = parts[2] if parts[0] == "encoder" else str(up_levels - 1 - int(parts[2]))
-            where = "encoder.down" if parts[0] == "encoder" else "decoder.up"
-            rest = f"block.{parts[4]}.{resnet[parts[5]]}" if parts[3] == "resnets" else \
-                f"{parts[3][:-len('rs')]}.conv"
-            name = f"{where}.{level}.{rest}"
-        else:  # conv_in, conv_out, bn.*
-            name = module
-        out[f"{name}.{param}"] = value.contiguous()
-    return out

@@ -208,7 +208,8 @@ def test_list_inputs_and_unstored_masks_import_as_our_own_entries_and_train_in_b
 
 
 @pytest.mark.parametrize("variant, sizes", [("edit", [(2, 2)]), ("edit-2509", [(2, 2), (4, 2)])])
-def test_qwen_image_edit_rows_import_with_their_reference_latents_and_train(variant, sizes, tmp_path):
+def test_qwen_image_edit_rows_import_with_their_reference_latents_and_train(variant, sizes, tmp_path, monkeypatch,
+                                                                           capsys):
     """DiffSynth's Qwen-Image-Edit rows cache edit_latents: one tensor (Edit v1) or a list (2509, 2511).
     Imported, they are the rows' ref_latents_<i>, as our stage 1 writes them, and the edit model trains."""
     def sample(i):
@@ -249,6 +250,16 @@ def test_qwen_image_edit_rows_import_with_their_reference_latents_and_train(vari
                         "output": {"path": str(tmp_path / f"out-{other}")}})
     with pytest.raises(InputError, match=r"0/0\.pth holds \d reference latents .* set model.variant"):
         train.run(cfg)
+    # The CLI says it from disk, before a Prefect session starts.
+    import flows.orchestrate
+    from flows.cli import main
+
+    def no_prefect(*args, **kwargs):
+        raise AssertionError("a Prefect session started before the cache was checked")
+
+    monkeypatch.setattr(flows.orchestrate, "prefect_session", no_prefect)
+    assert main(["train", str(cfg.save(tmp_path / "wrong-model.toml"))]) == 2
+    assert "0/0.pth holds" in capsys.readouterr().err
 
 
 def _cli(*args):

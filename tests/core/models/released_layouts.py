@@ -18,8 +18,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from diffsynth_core.models import tiny_tokenizers
+from diffsynth_core.models.flux2_vae_released import ATTENTION_NAMES, ATTENTION_WEIGHT, RESNET_NAMES
 from diffsynth_core.models.flux_released import diffusers_to_bfl
 from diffsynth_core.models.loading import MODEL_INIT_LOCK
+from diffsynth_core.models.released import count_indices
 from diffsynth_core.models.wan import native_name
 from diffsynth_core.models.wan_released import umt5_to_native_t5
 
@@ -96,6 +98,41 @@ _WAN_SIMPLE = {"encoder.conv_in": "encoder.conv1", "decoder.conv_in": "decoder.c
                "post_quant_conv": "conv2", "encoder.norm_out.gamma": "encoder.head.0.gamma",
                "encoder.conv_out": "encoder.head.2", "decoder.norm_out.gamma": "decoder.head.0.gamma",
                "decoder.conv_out": "decoder.head.2"}
+
+
+_ROOT_BACK = {"quant_conv": "encoder.quant_conv", "post_quant_conv": "decoder.post_quant_conv",
+              "encoder.conv_norm_out": "encoder.norm_out", "decoder.conv_norm_out": "decoder.norm_out"}
+_COMFY_ROOT_BACK = {"quant_conv": "quant_conv", "post_quant_conv": "post_quant_conv"}
+
+
+def bfl_vae_names(state: dict, comfy: bool = False) -> dict:
+    """``AutoencoderKLFlux2`` weights under BFL's names (``comfy``: ComfyUI's, quant convs at the top),
+    attention weights as BFL's 1x1 convs.  The inverse of ``flux2_vae_released.bfl_vae_to_diffusers``."""
+    up_levels = count_indices(state, "decoder.up_blocks.")
+    resnet = {v: k for k, v in RESNET_NAMES.items()}
+    attention = {v: k for k, v in ATTENTION_NAMES.items()}
+    roots = {**_ROOT_BACK, **(_COMFY_ROOT_BACK if comfy else {})}
+    out: dict = {}
+    for key, value in state.items():
+        module, _, param = key.rpartition(".")
+        parts = module.split(".")
+        if module in roots:
+            name = roots[module]
+        elif ".mid_block.resnets." in module:
+            name = f"{parts[0]}.mid.block_{int(parts[3]) + 1}.{resnet[parts[4]]}"
+        elif ".mid_block.attentions.0." in module:
+            name = f"{parts[0]}.mid.attn_1.{attention['.'.join(parts[4:])]}"
+            value = value[:, :, None, None] if ATTENTION_WEIGHT.match(key) else value
+        elif module.startswith(("encoder.down_blocks.", "decoder.up_blocks.")):
+            level = parts[2] if parts[0] == "encoder" else str(up_levels - 1 - int(parts[2]))
+            where = "encoder.down" if parts[0] == "encoder" else "decoder.up"
+            rest = f"block.{parts[4]}.{resnet[parts[5]]}" if parts[3] == "resnets" else \
+                f"{parts[3][:-len('rs')]}.conv"
+            name = f"{where}.{level}.{rest}"
+        else:  # conv_in, conv_out, bn.*
+            name = module
+        out[f"{name}.{param}"] = value.contiguous()
+    return out
 
 
 def _wan_resnet(rest: str) -> str:

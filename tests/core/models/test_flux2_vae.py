@@ -13,9 +13,9 @@ from safetensors.torch import save_file
 from diffsynth_core.errors import InputError
 from diffsynth_core.models import get_family, known_families, released
 from diffsynth_core.models.flux2 import tiny_vae
-from diffsynth_core.models.flux2_vae_released import bfl_vae_names, bfl_vae_to_diffusers
+from diffsynth_core.models.flux2_vae_released import bfl_vae_to_diffusers
 
-from .released_layouts import plain_config
+from .released_layouts import bfl_vae_names, plain_config
 
 FORMATS = {name: get_family(name).released_formats for name in known_families()}
 KLEIN = "klein-base-4b"
